@@ -1,0 +1,223 @@
+"""Run settings: one dataclass, one place that turns it into command-line flags.
+
+Every setting is a field of :class:`TrainConfig`; its metadata carries the help
+text, so the argparse parser, the JSON config file (``--config FILE``) and the
+documentation of the flags can never drift apart.  Validation that needs no
+model, no data and no process group happens here, so an impossible
+configuration fails in milliseconds with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import InputError
+
+REPO_DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
+DTYPES = ("fp32", "bf16")
+
+
+def _opt(help_text: str, default=None, choices=None, **meta):
+    return field(default=default, metadata={"help": help_text, "choices": choices, **meta})
+
+
+@dataclass
+class TrainConfig:
+    # --- model ---
+    model: str | None = _opt("HF causal LM folder for the policy (and the reference unless --ref-model).")
+    model_config: str | None = _opt(
+        "Build the model from a config with random weights: 'tiny', 'tiny-qwen2' or a config.json path. "
+        "Default 'tiny' when neither --model nor --model-config is given."
+    )
+    ref_model: str | None = _opt("Separate HF folder for the frozen reference model.")
+    tokenizer: str | None = _opt("HF tokenizer folder. Default: --model, or a local BPE built for the embedded dataset.")
+    dtype: str = _opt("Training precision.", "fp32", DTYPES)
+    attn: str = _opt("Attention backend: auto, sdpa, eager, flex_attention, flash_attention_2, flash_attention_3.", "auto")
+    trust_remote_code: bool = _opt("Allow custom modelling code from model folders (off by default).", False)
+    # --- data ---
+    dataset: str | None = _opt("Preference data: a .json/.jsonl/.parquet/.arrow file, a save_to_disk folder or a hub name. "
+                               "Default: the embedded synthetic dataset.")
+    synthetic_pairs: int = _opt("Number of pairs of the embedded synthetic dataset.", 1024)
+    format: str = _opt("Dataset format (auto-detected by default).", "auto",
+                       ("auto", "standard", "conversational", "implicit", "sharegpt"))
+    split: str = _opt("Dataset split.", "train")
+    prompt_column: str = _opt("Column holding the prompt.", "prompt")
+    chosen_column: str = _opt("Column holding the chosen completion.", "chosen")
+    rejected_column: str = _opt("Column holding the rejected completion.", "rejected")
+    conversations_column: str = _opt("Column holding ShareGPT conversations.", "conversations")
+    max_length: int = _opt("Maximum tokens per sequence (prompt + completion).", 1024)
+    max_prompt_length: int | None = _opt("Maximum prompt tokens (the prompt is cut from the left).")
+    max_pairs: int | None = _opt("Use only the first N valid pairs of the dataset.")
+    on_bad_row: str = _opt("What to do with a malformed dataset row.", "error", ("error", "skip"))
+    num_proc: int = _opt("Processes for tokenization.", 1)
+    cache_dir: str | None = _opt("Tokenization cache folder (default ~/.cache/ds_packdpo).")
+    # --- plan ---
+    max_tokens_per_row: int | None = _opt("Row budget in tokens (default: 2 x --max-length).")
+    global_batch_pairs: int | None = _opt("Pairs per optimizer step, over all ranks (default 64 unless --tokens-per-step).")
+    tokens_per_step: int | None = _opt("Alternative to --global-batch-pairs: close a step once its pairs hold this many tokens.")
+    micro_batch_pairs: int = _opt("Pairs per padded micro-batch (with --no-packing).", 4)
+    no_packing: bool = _opt("Train on padded micro-batches instead of packed rows (the baseline).", False)
+    drop_last: bool = _opt("Drop the last incomplete step of every epoch.", False)
+    attention_weight: float = _opt("Balance ranks on tokens + W * sum of squared sequence lengths.", 0.0)
+    epochs: int = _opt("Passes over the data.", 1)
+    max_steps: int | None = _opt("Stop after this many optimizer steps.")
+    seed: int = _opt("Seed for the plan, the model init and everything random.", 0)
+    # --- optimisation and loss ---
+    lr: float = _opt("Peak learning rate.", 1e-6)
+    weight_decay: float = _opt("AdamW weight decay.", 0.0)
+    warmup_steps: int = _opt("Linear warm-up steps of the LR schedule.", 0)
+    max_grad_norm: float = _opt("Gradient clipping (0 disables).", 1.0)
+    loss: str = _opt("DPO-family loss.", "sigmoid", ("sigmoid", "robust", "hinge", "ipo", "simpo"))
+    beta: float = _opt("DPO beta.", 0.1)
+    label_smoothing: float = _opt("Conservative-DPO label smoothing.", 0.0)
+    simpo_gamma: float = _opt("SimPO target margin.", 0.5)
+    rpo_alpha: float = _opt("Weight of the NLL-per-chosen-token (RPO/SFT) term; 0 disables.", 0.0)
+    logps_chunk_tokens: int = _opt("Tokens per chunk of the log-prob computation.", 4096)
+    # --- DeepSpeed ---
+    ds_config: str = _opt("DeepSpeed config: a name in ds_configs/ (zero3, zero3_offload, zero2) or a JSON path.", "zero3")
+    ref_offload: bool = _opt("Offload the reference parameters to CPU (ZeRO-3).", False)
+    collective_timeout_s: float = _opt("Seconds before a stalled collective (e.g. a dead rank) ends the run.", 600.0)
+    skip_packing_check: bool = _opt("Skip the start-up check that packed log-probs equal unpacked ones.", False)
+    # --- outputs ---
+    output_dir: str = _opt("Run folder (metrics, logs).", "runs/train")
+    metrics_out: str | None = _opt("Per-step JSON lines (default OUTPUT_DIR/metrics.jsonl).")
+    overwrite: bool = _opt("Allow writing into a non-empty output folder.", False)
+    progress: bool = _opt("Show the progress bar on rank 0.", True)
+    config: str | None = _opt("JSON file of settings (keys are flag names); flags given on the command line win.")
+
+    # ------------------------------------------------------------------
+    @property
+    def row_budget(self) -> int:
+        return self.max_tokens_per_row if self.max_tokens_per_row is not None else 2 * self.max_length
+
+    @property
+    def batch_pairs(self) -> int | None:
+        if self.global_batch_pairs is None and self.tokens_per_step is None:
+            return 64
+        return self.global_batch_pairs
+
+    @property
+    def resolved_metrics_out(self) -> str:
+        return self.metrics_out or os.path.join(self.output_dir, "metrics.jsonl")
+
+    def validate(self) -> None:
+        """Checks that need nothing but the settings themselves."""
+        positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "logps_chunk_tokens"]
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise InputError(f"--{flag(key)} must be >= 1, got {getattr(self, key)}")
+        for key in ["max_tokens_per_row", "global_batch_pairs", "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs"]:
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise InputError(f"--{flag(key)} must be >= 1, got {value}")
+        if self.global_batch_pairs is not None and self.tokens_per_step is not None:
+            raise InputError("--global-batch-pairs and --tokens-per-step are exclusive; give one")
+        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
+            raise InputError(f"--max-prompt-length ({self.max_prompt_length}) must be below --max-length ({self.max_length})")
+        if self.lr <= 0 or self.beta <= 0:
+            raise InputError(f"--lr and --beta must be > 0, got lr={self.lr} beta={self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise InputError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.collective_timeout_s <= 0:
+            raise InputError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
+        if self.model is not None and self.model_config is not None:
+            raise InputError("--model and --model-config are exclusive: load a folder or build from a config")
+        for key in ("model", "ref_model", "tokenizer"):
+            path = getattr(self, key)
+            if path is not None and not Path(path).is_dir():
+                raise InputError(f"--{flag(key)} {path}: no such folder")
+        if self.model is None and self.ref_model is not None:
+            raise InputError("--ref-model needs --model (a model built from a config is its own reference)")
+
+
+def flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    hints = typing.get_type_hints(TrainConfig)
+    tp = hints[f.name]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def add_arguments(parser: argparse.ArgumentParser, config_cls=TrainConfig) -> None:
+    """Adds one flag per field; defaults are None so a config file can fill what the command line left out."""
+    for f in dataclasses.fields(config_cls):
+        tp = _field_type(f)
+        kwargs = {"help": f.metadata.get("help"), "default": None, "dest": f.name}
+        if tp is bool:
+            parser.add_argument(f"--{flag(f.name)}", action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            if f.metadata.get("choices"):
+                kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument(f"--{flag(f.name)}", type=tp, **kwargs)
+    # The deepspeed launcher appends --local_rank=N; the rank also lives in LOCAL_RANK.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _coerce(key: str, value, tp: type, source: str):
+    if value is None:
+        return None
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is str and isinstance(value, str):
+        return value
+    raise InputError(f"{source}: key '{key}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+def load_config_file(path: str, config_cls=TrainConfig) -> dict:
+    """Reads a JSON settings file; unknown keys and wrong types are errors naming the key."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"--config {path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"--config {path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"--config {path}: expected a JSON object of settings, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    values = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in fields or name == "config":
+            raise InputError(f"--config {path}: unknown key '{key}'")
+        f = fields[name]
+        values[name] = _coerce(key, value, _field_type(f), f"--config {path}")
+        choices = f.metadata.get("choices")
+        if choices and values[name] not in choices:
+            raise InputError(f"--config {path}: key '{key}' must be one of {', '.join(choices)}, got {value!r}")
+    return values
+
+
+def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
+    """Merges defaults < config file < command line into a validated config."""
+    values = load_config_file(args.config, config_cls) if getattr(args, "config", None) else {}
+    for f in dataclasses.fields(config_cls):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    cfg = config_cls(**values)
+    cfg.validate()
+    return cfg
+
+
+def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train") -> TrainConfig:
+    parser = argparse.ArgumentParser(prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return config_from_args(args)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

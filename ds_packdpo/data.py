@@ -1,0 +1,617 @@
+"""The data stage: preference rows in, tokenized and truncated pairs (+ lengths) out.
+
+Stages, in this order, so that bad input stops before any heavy work:
+
+1. **load** the raw rows (local file, ``save_to_disk`` folder, hub name, or rows
+   in memory);
+2. **detect** the format from the columns (or take the forced one) and
+   **validate + normalize** every row in plain Python: a bad row raises an
+   InputError naming the file, the row and the reason (or is skipped and counted
+   with ``on_bad_row="skip"``);
+3. **tokenize + truncate** with ``datasets.map``, cached on disk under a
+   fingerprint of (normalized content, tokenizer, settings), so the second call
+   with the same inputs (another rank of the node, a restarted run) only reads
+   the cache file.
+
+Pure functions over rows and ids: no torch.distributed, no DeepSpeed.  The
+trainer makes local rank 0 call first and the others after a barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tempfile
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .errors import InputError
+
+FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt")
+CONVERSATIONAL_FORMATS = ("conversational", "implicit", "sharegpt")
+ON_BAD_ROW = ("error", "skip")
+FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
+CHAT_ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+# Part of every fingerprint: bump it when tokenization or truncation rules change,
+# so caches and precomputed reference log-probs of the old rules are not reused.
+DATA_VERSION = 1
+DEFAULT_CACHE_DIR = "~/.cache/ds_packdpo"
+PAIR_COLUMNS = ("pair_id", "prompt_ids", "chosen_ids", "rejected_ids")
+_STAT_COLUMNS = ["prompt_cut", "completion_cut", "template_mismatches", "drop_reason"]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str                    # path (.json/.jsonl/.parquet/.arrow, save_to_disk folder) or hub name
+    split: str = "train"
+    format: str = "auto"
+    prompt_column: str = "prompt"
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
+    conversations_column: str = "conversations"
+    max_length: int = 1024
+    max_prompt_length: int | None = None
+    on_bad_row: str = "error"       # "error" | "skip"
+    num_proc: int = 1
+    cache_dir: str | None = None
+    max_pairs: int | None = None    # keep only the first N valid rows (handy for tests/bench)
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise InputError(f"format '{self.format}' is not one of {', '.join(FORMATS)}")
+        if self.on_bad_row not in ON_BAD_ROW:
+            raise InputError(f"on_bad_row '{self.on_bad_row}' is not one of {', '.join(ON_BAD_ROW)}")
+        for key in ("max_length", "num_proc", "max_prompt_length", "max_pairs"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise InputError(f"{key} must be >= 1, got {value}")
+
+    @classmethod
+    def from_settings(cls, settings, **overrides) -> DataConfig:
+        """The data fields of any settings object with the same attribute names (e.g. the run's TrainConfig)."""
+        values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(cls) if hasattr(settings, f.name)}
+        return cls(**{**values, **overrides})
+
+
+@dataclass
+class PreparedPairs:
+    dataset: datasets.Dataset       # pair_id, prompt_ids, chosen_ids, rejected_ids (completion ids after truncation)
+    chosen_lengths: np.ndarray      # int64 [N]: len(prompt_ids) + len(chosen_ids)
+    rejected_lengths: np.ndarray    # int64 [N]: len(prompt_ids) + len(rejected_ids)
+    # JSON-able: dataset, format, rows (raw), kept, dropped {reason: n} (bad rows in skip mode and pairs
+    # dropped by truncation), beyond_max_pairs, identical_chosen_rejected, prompt_truncated and
+    # completion_truncated (kept pairs), template_prefix_mismatch (sequences), tokens {length statistics}
+    summary: dict
+    fingerprint: str                # (content, tokenizer, settings); keys caches and precomputed reference log-probs
+
+
+class _BadRow(Exception):
+    """One row's problem: ``reason`` is the counter key of skip mode, ``detail`` the human message."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _kind(value) -> str:
+    """JSON-ish name of a value's type, for messages."""
+    names = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+# ----------------------------------------------------------------------------- loading
+# Local .json/.jsonl are parsed with the stdlib: datasets' json builder reports a
+# truncated file, a bad line or mixed types as a pyarrow error with no row number.
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _position(text: str, pos: int) -> str:
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)
+    return f"line {line} column {column}"
+
+
+def _read_text(path: Path, label: str) -> str:
+    data = path.read_bytes()
+    if b"\x00" in data:
+        raise InputError(f"{label}: binary content (NUL bytes), not a JSON text file")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{label}: not UTF-8 text (binary content?), bad byte at offset {exc.start}") from None
+    if not text.strip():
+        raise InputError(f"{label}: the file is empty")
+    return text
+
+
+def _json_array_rows(text: str, start: int, label: str) -> list:
+    """Parses the JSON list opening at ``text[start]`` element by element, so an error names the row it is in."""
+    decoder = json.JSONDecoder()
+    pos = _WHITESPACE.match(text, start + 1).end()
+    rows: list = []
+    if text.startswith("]", pos):
+        return rows
+    while True:
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            where = _position(text, exc.pos)
+            message = f"{label} row {len(rows)}: not valid JSON, truncated or malformed ({exc.msg} at {where})"
+            raise InputError(message) from None
+        rows.append(value)
+        pos = _WHITESPACE.match(text, pos).end()
+        if pos == len(text):
+            raise InputError(f"{label} row {len(rows) - 1}: the JSON list is not closed (truncated file?)")
+        if text[pos] == "]":
+            break
+        if text[pos] != ",":
+            where = _position(text, pos)
+            raise InputError(f"{label} row {len(rows) - 1}: expected ',' or ']' after the row at {where}")
+        pos = _WHITESPACE.match(text, pos + 1).end()
+    end = _WHITESPACE.match(text, pos + 1).end()
+    if end != len(text):
+        raise InputError(f"{label}: unexpected data after the JSON list at {_position(text, end)}")
+    return rows
+
+
+def _json_lines_rows(text: str) -> list[tuple[str, object]]:
+    """(location, value) per non-blank line; an unreadable line becomes a _BadRow value."""
+    records = []
+    for line_no, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"row {len(records)} (line {line_no})"
+        try:
+            records.append((where, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            problem = _BadRow("unreadable_json_line", f"not valid JSON ({exc.msg} at column {exc.colno})")
+            records.append((where, problem))
+    return records
+
+
+def _read_arrow_table(path: Path, label: str) -> pa.Table:
+    """Arrow IPC stream (what datasets writes) or IPC file; pyarrow reads it in place, no cache copy."""
+    for open_reader in (pa.ipc.open_stream, pa.ipc.open_file):
+        try:
+            with pa.memory_map(str(path)) as source:
+                return open_reader(source).read_all()
+        except (pa.ArrowInvalid, OSError) as exc:
+            error = exc
+    raise InputError(f"{label}: not a readable Arrow file ({_one_line(error)})")
+
+
+def _load_records(cfg: DataConfig) -> list[tuple[str, object]]:
+    """Raw rows of the dataset as (location, value); the row index is the position in the list."""
+    label = cfg.dataset
+    path = Path(cfg.dataset).expanduser()
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError, OSError, pa.ArrowInvalid) as exc:
+            raise InputError(f"{label}: not a folder written by save_to_disk ({_one_line(exc)})") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if cfg.split not in loaded:
+                raise InputError(f"{label}: no split '{cfg.split}'; splits found: {', '.join(loaded)}")
+            loaded = loaded[cfg.split]
+        values = loaded.to_list()
+    elif path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in (".json", ".jsonl"):
+            text = _read_text(path, label)
+            start = _WHITESPACE.match(text).end()
+            if suffix == ".jsonl" or text[start] != "[":
+                return _json_lines_rows(text)  # like datasets, a .json file may hold JSON lines
+            values = _json_array_rows(text, start, label)
+        elif suffix == ".parquet":
+            try:
+                values = pq.read_table(str(path)).to_pylist()
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise InputError(f"{label}: not a readable Parquet file ({_one_line(exc)})") from None
+        elif suffix == ".arrow":
+            values = _read_arrow_table(path, label).to_pylist()
+        else:
+            raise InputError(f"{label}: unsupported file type '{suffix}'; expected one of {', '.join(FILE_SUFFIXES)}")
+    elif path.suffix.lower() in FILE_SUFFIXES or cfg.dataset.startswith(("/", ".", "~")):
+        raise InputError(f"{label}: no such file or folder")
+    else:
+        try:
+            values = datasets.load_dataset(cfg.dataset, split=cfg.split).to_list()
+        except Exception as exc:  # the hub raises many types (network, auth, missing repo): all are user-facing
+            reason = _one_line(exc)
+            message = f"{label}: not a local file or folder, and loading it from the hub failed ({reason})"
+            raise InputError(message) from None
+    return [(f"row {i}", value) for i, value in enumerate(values)]
+
+
+# ----------------------------------------------------------------------------- formats
+def _columns_for(cfg: DataConfig, fmt: str) -> list[str]:
+    if fmt == "sharegpt":
+        return [cfg.conversations_column, cfg.chosen_column, cfg.rejected_column]
+    if fmt == "implicit":
+        return [cfg.chosen_column, cfg.rejected_column]
+    return [cfg.prompt_column, cfg.chosen_column, cfg.rejected_column]
+
+
+def _first_value(rows: list[dict], key: str):
+    return next((row[key] for row in rows if row.get(key) is not None), None)
+
+
+def _detect_format(cfg: DataConfig, rows: list[dict], label: str) -> str:
+    columns = set().union(*(row.keys() for row in rows))
+    if cfg.format != "auto":
+        missing = [c for c in _columns_for(cfg, cfg.format) if c not in columns]
+        if missing:
+            raise InputError(
+                f"{label}: format '{cfg.format}' needs columns {_columns_for(cfg, cfg.format)}, "
+                f"missing {missing}; columns found {sorted(columns)}"
+            )
+        return cfg.format
+    if {cfg.chosen_column, cfg.rejected_column} <= columns:
+        if cfg.conversations_column in columns:
+            return "sharegpt"
+        if cfg.prompt_column in columns:
+            return "conversational" if isinstance(_first_value(rows, cfg.prompt_column), list) else "standard"
+        if isinstance(_first_value(rows, cfg.chosen_column), list):
+            return "implicit"
+    raise InputError(
+        f"{label}: columns found {sorted(columns)}; expected {_columns_for(cfg, 'standard')} (standard or "
+        f"conversational), {_columns_for(cfg, 'sharegpt')} (sharegpt) or message lists {_columns_for(cfg, 'implicit')} "
+        "(implicit); set the column names or the format"
+    )
+
+
+def _field(row: dict, key: str):
+    if key not in row:
+        raise _BadRow("missing_field", f"field '{key}' is missing")
+    if row[key] is None:
+        raise _BadRow("null_field", f"field '{key}' is null")
+    return row[key]
+
+
+def _text(row: dict, key: str, completion: bool) -> str:
+    value = _field(row, key)
+    if not isinstance(value, str):
+        raise _BadRow("non_string_field", f"field '{key}' must be a string, got {_kind(value)}")
+    if completion and not value.strip():
+        raise _BadRow("empty_completion", f"field '{key}' is an empty completion")
+    return value
+
+
+def _messages(value, key: str, role_key="role", content_key="content", roles=None) -> list[dict]:
+    """A message list normalized to [{role, content}]; ``roles`` maps source role names to chat roles."""
+    roles = roles or {role: role for role in CHAT_ROLES}
+    if not isinstance(value, list) or not value:
+        got = "no messages" if isinstance(value, list) else _kind(value)
+        raise _BadRow("malformed_messages", f"field '{key}' must be a non-empty list of messages, got {got}")
+    messages = []
+    for j, message in enumerate(value):
+        if not isinstance(message, dict) or message.get(role_key) is None or message.get(content_key) is None:
+            raise _BadRow(
+                "malformed_messages",
+                f"{key}[{j}] must be an object with '{role_key}' and '{content_key}', got {json.dumps(message)[:80]}",
+            )
+        role, content = message[role_key], message[content_key]
+        if not isinstance(content, str):
+            raise _BadRow("non_string_field", f"{key}[{j}].{content_key} must be a string, got {_kind(content)}")
+        if role not in roles:
+            raise _BadRow("unknown_role", f"{key}[{j}] has unknown role {role!r}; expected one of {', '.join(roles)}")
+        messages.append({"role": roles[role], "content": content})
+    return messages
+
+
+def _completion(messages: list[dict], key: str) -> list[dict]:
+    for j, message in enumerate(messages):
+        if message["role"] != "assistant":
+            detail = f"{key}[{j}] has role '{message['role']}'; a completion is assistant messages"
+            raise _BadRow("completion_not_assistant", detail)
+    if not "".join(m["content"] for m in messages).strip():
+        raise _BadRow("empty_completion", f"field '{key}' is an empty completion")
+    return messages
+
+
+def _split_implicit(chosen: list[dict], rejected: list[dict], cfg: DataConfig) -> tuple[list, list, list]:
+    """Prompt = longest common message prefix, cut back to end before an assistant turn."""
+    common = 0
+    while common < min(len(chosen), len(rejected)) and chosen[common] == rejected[common]:
+        common += 1
+    while common > 0 and chosen[common - 1]["role"] == "assistant":
+        common -= 1
+    if common == 0:
+        raise _BadRow("no_common_prompt", "chosen and rejected share no leading non-assistant message: no prompt")
+    return (
+        chosen[:common],
+        _completion(chosen[common:], cfg.chosen_column),
+        _completion(rejected[common:], cfg.rejected_column),
+    )
+
+
+def _normalize_row(row, fmt: str, cfg: DataConfig) -> dict:
+    """{"prompt", "chosen", "rejected"}: strings (standard) or [{role, content}] lists; raises _BadRow."""
+    if isinstance(row, _BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise _BadRow("not_an_object", f"a row must be an object, got {_kind(row)}")
+    c_key, r_key = cfg.chosen_column, cfg.rejected_column
+    if fmt == "standard":
+        prompt = _text(row, cfg.prompt_column, completion=False)
+        return {"prompt": prompt, "chosen": _text(row, c_key, True), "rejected": _text(row, r_key, True)}
+    if fmt == "conversational":
+        return {
+            "prompt": _messages(_field(row, cfg.prompt_column), cfg.prompt_column),
+            "chosen": _completion(_messages(_field(row, c_key), c_key), c_key),
+            "rejected": _completion(_messages(_field(row, r_key), r_key), r_key),
+        }
+    if fmt == "implicit":
+        chosen = _messages(_field(row, c_key), c_key)
+        rejected = _messages(_field(row, r_key), r_key)
+        prompt, chosen, rejected = _split_implicit(chosen, rejected, cfg)
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    # sharegpt: chosen/rejected are one {from, value} message each
+    sharegpt = dict(role_key="from", content_key="value", roles=SHAREGPT_ROLES)
+    prompt = _messages(_field(row, cfg.conversations_column), cfg.conversations_column, **sharegpt)
+    completions = []
+    for key in (c_key, r_key):
+        value = _field(row, key)
+        if not isinstance(value, dict):
+            detail = f"field '{key}' must be one {{from, value}} message, got {_kind(value)}"
+            raise _BadRow("malformed_messages", detail)
+        completions.append(_completion(_messages([value], key, **sharegpt), key))
+    return {"prompt": prompt, "chosen": completions[0], "rejected": completions[1]}
+
+
+def _validate(records: list[tuple[str, object]], cfg: DataConfig, label: str) -> tuple[str, list[dict], Counter]:
+    """Every row checked before any tokenization; returns (format, normalized rows with pair_id, bad-row counts)."""
+    if not records:
+        raise InputError(f"{label}: the dataset has no rows")
+    objects = [value for _, value in records if isinstance(value, dict)]
+    # With no object at all, every row fails on its own below, before the format matters.
+    fmt = _detect_format(cfg, objects, label) if objects else cfg.format
+    normalized, bad = [], Counter()
+    for pair_id, (where, value) in enumerate(records):
+        try:
+            normalized.append({"pair_id": pair_id, **_normalize_row(value, fmt, cfg)})
+        except _BadRow as problem:
+            if cfg.on_bad_row == "error":
+                raise InputError(f"{label} {where}: {problem.detail}") from None
+            bad[problem.reason] += 1
+    if not normalized:
+        raise InputError(f"{label}: no valid pairs (bad rows: {dict(bad)})")
+    return fmt, normalized, bad
+
+
+# ----------------------------------------------------------------------------- tokenization
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of what decides the ids: vocab, merges, normalizer, post-processor, chat template, special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        state.pop("truncation", None)  # transient per-call settings, not part of the tokenizer
+        state.pop("padding", None)
+    else:
+        state = sorted(tokenizer.get_vocab().items())
+    payload = {
+        "class": type(tokenizer).__name__,
+        "backend": state,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "special_tokens": tokenizer.special_tokens_map,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _adds_bos(tokenizer) -> bool:
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+
+
+def _chat_completion_ids(tokenizer, batch: dict, key: str, prompt_ids: list, label: str) -> tuple[list, list]:
+    """Completion ids = (prompt + completion rendered) minus the rendered prompt, and per row whether that failed.
+
+    When the prompt ids are not a prefix of the full ids (a template or a BPE merge
+    across the boundary), the completion's text suffix is tokenized on its own.
+    """
+    prompts, completions = batch["prompt"], batch[key]
+    full_ids = tokenizer.apply_chat_template([p + c for p, c in zip(prompts, completions)], return_dict=False)
+    completion_ids, mismatched = [], []
+    for prompt, completion, p_ids, f_ids, pair_id in zip(prompts, completions, prompt_ids, full_ids, batch["pair_id"]):
+        mismatched.append(f_ids[: len(p_ids)] != p_ids)
+        if not mismatched[-1]:
+            completion_ids.append(f_ids[len(p_ids):])
+            continue
+        prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+        if not full_text.startswith(prompt_text):
+            raise InputError(
+                f"{label} row {pair_id}: the tokenizer's chat template does not render the prompt (with generation "
+                "prompt) as a prefix of prompt + completion, so the completion cannot be split off"
+            )
+        completion_ids.append(tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"])
+    return completion_ids, mismatched
+
+
+def truncation_lengths(prompt_len, chosen_len, rejected_len, max_length: int, max_prompt_length: int | None):
+    """Kept lengths (prompt, chosen, rejected) for arrays of raw lengths; vectorized over pairs.
+
+    The prompt keeps its end, completions keep their start.  ``max_prompt_length``
+    caps the prompt.  If prompt + longest completion still exceeds ``max_length``,
+    the prompt gives way first: it is cut from the left until the longest
+    completion fits, but keeps at least one token (the first completion token is
+    predicted from the token before it).  Completions are then cut from the right
+    to the room left; a pair with no room for one completion token is dropped.
+    """
+    prompt_len, chosen_len, rejected_len = (np.asarray(n, np.int64) for n in (prompt_len, chosen_len, rejected_len))
+    prompt = prompt_len if max_prompt_length is None else np.minimum(prompt_len, max_prompt_length)
+    longest = np.maximum(chosen_len, rejected_len)
+    prompt = np.minimum(prompt, np.maximum(max_length - longest, np.minimum(prompt, 1)))
+    room = max_length - prompt
+    return prompt, np.minimum(chosen_len, room), np.minimum(rejected_len, room)
+
+
+def _encode_batch(batch, tokenizer, conversational: bool, max_length: int, max_prompt_length, label: str, bos: list):
+    """datasets.map function: ids of prompt/chosen/rejected after truncation, plus per-pair stat columns."""
+    pair_ids, prompts = batch["pair_id"], batch["prompt"]
+    if conversational:
+        prompt_ids = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, return_dict=False)
+        chosen_ids, chosen_mismatch = _chat_completion_ids(tokenizer, batch, "chosen", prompt_ids, label)
+        rejected_ids, rejected_mismatch = _chat_completion_ids(tokenizer, batch, "rejected", prompt_ids, label)
+        mismatches = (np.array(chosen_mismatch, dtype=np.int64) + np.array(rejected_mismatch, dtype=np.int64)).tolist()
+    else:
+        eos = [tokenizer.eos_token_id]
+        prompt_ids = [bos + ids for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        chosen_ids = [ids + eos for ids in tokenizer(batch["chosen"], add_special_tokens=False)["input_ids"]]
+        rejected_ids = [ids + eos for ids in tokenizer(batch["rejected"], add_special_tokens=False)["input_ids"]]
+        mismatches = [0] * len(pair_ids)
+    raw = [np.array([len(x) for x in ids]) for ids in (prompt_ids, chosen_ids, rejected_ids)]
+    keep_prompt, keep_chosen, keep_rejected = truncation_lengths(*raw, max_length, max_prompt_length)
+    no_room = np.where(np.minimum(keep_chosen, keep_rejected) < 1, "no_room_for_completion", "")
+    drop = np.where(np.minimum(raw[1], raw[2]) == 0, "empty_completion", no_room)
+    return {
+        "pair_id": pair_ids,
+        "prompt_ids": [ids[len(ids) - k:] for ids, k in zip(prompt_ids, keep_prompt.tolist())],
+        "chosen_ids": [ids[:k] for ids, k in zip(chosen_ids, keep_chosen.tolist())],
+        "rejected_ids": [ids[:k] for ids, k in zip(rejected_ids, keep_rejected.tolist())],
+        "prompt_cut": (keep_prompt < raw[0]).tolist(),
+        "completion_cut": ((keep_chosen < raw[1]) | (keep_rejected < raw[2])).tolist(),
+        "template_mismatches": mismatches,
+        "drop_reason": drop.tolist(),
+    }
+
+
+def _length_stats(lengths: np.ndarray) -> dict:
+    return {
+        "mean": round(float(lengths.mean()), 2),
+        "p50": int(np.percentile(lengths, 50)),
+        "p90": int(np.percentile(lengths, 90)),
+        "max": int(lengths.max()),
+        "total": int(lengths.sum()),
+    }
+
+
+def _list_lengths(table: pa.Table, column: str) -> np.ndarray:
+    return pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) -> PreparedPairs:
+    """Loads, validates, tokenizes and truncates ``cfg.dataset``, or the in-memory ``rows`` labelled so."""
+    label = cfg.dataset
+    records = [(f"row {i}", row) for i, row in enumerate(rows)] if rows is not None else _load_records(cfg)
+    fmt, normalized, bad = _validate(records, cfg, label)
+    beyond_max_pairs = 0
+    if cfg.max_pairs is not None and len(normalized) > cfg.max_pairs:
+        beyond_max_pairs = len(normalized) - cfg.max_pairs
+        normalized = normalized[: cfg.max_pairs]
+    identical = sum(row["chosen"] == row["rejected"] for row in normalized)
+    if identical:
+        warnings.warn(
+            f"{label}: {identical} pairs have identical chosen and rejected completions; kept, but they teach nothing",
+            stacklevel=2,
+        )
+    conversational = fmt in CONVERSATIONAL_FORMATS
+    if not conversational and tokenizer.eos_token_id is None:
+        raise InputError(f"{label}: standard-format completions end with EOS, but the tokenizer has no eos_token")
+    if conversational and not getattr(tokenizer, "chat_template", None):
+        raise InputError(f"{label}: {fmt} data needs a tokenizer with a chat template, and this one has none")
+
+    key = {
+        "version": DATA_VERSION,
+        "content": hashlib.sha256(json.dumps(normalized, sort_keys=True, ensure_ascii=False).encode()).hexdigest(),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "format": fmt,
+        "max_length": cfg.max_length,
+        "max_prompt_length": cfg.max_prompt_length,
+    }
+    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+    cache_dir = Path(cfg.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    encoded = datasets.Dataset.from_list(normalized).map(
+        _encode_batch,
+        batched=True,
+        # num_proc=1 would still spawn a worker process in datasets; None runs in this one.
+        num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+        fn_kwargs=dict(
+            tokenizer=tokenizer,
+            conversational=conversational,
+            max_length=cfg.max_length,
+            max_prompt_length=cfg.max_prompt_length,
+            label=label,
+            bos=[tokenizer.bos_token_id] if _adds_bos(tokenizer) else [],
+        ),
+        remove_columns=["prompt", "chosen", "rejected"],
+        cache_file_name=str(cache_dir / f"pairs-{fingerprint}.arrow"),
+        new_fingerprint=fingerprint,  # explicit: datasets would otherwise hash the tokenizer with dill
+        desc="tokenize pairs",
+    )
+    table = encoded.data.table
+    stats = {name: table.column(name).to_numpy(zero_copy_only=False) for name in _STAT_COLUMNS}
+    lengths = {name: _list_lengths(table, f"{name}_ids") for name in ("prompt", "chosen", "rejected")}
+
+    drop_reason = stats["drop_reason"]
+    kept = np.flatnonzero(drop_reason == "")
+    dropped = bad + Counter(drop_reason[drop_reason != ""].tolist())
+    if kept.size == 0:
+        raise InputError(f"{label}: no pair left after truncation to max_length={cfg.max_length} ({dict(dropped)})")
+    pairs = encoded.remove_columns(_STAT_COLUMNS)
+    if kept.size < len(pairs):
+        pairs = pairs.select(kept)
+    lengths = {name: values[kept] for name, values in lengths.items()}
+    chosen_lengths = lengths["prompt"] + lengths["chosen"]
+    rejected_lengths = lengths["prompt"] + lengths["rejected"]
+    summary = {
+        "dataset": label,
+        "format": fmt,
+        "rows": len(records),
+        "kept": int(kept.size),
+        "dropped": dict(sorted(dropped.items())),
+        "beyond_max_pairs": beyond_max_pairs,
+        "identical_chosen_rejected": int(identical),
+        "prompt_truncated": int(stats["prompt_cut"][kept].sum()),
+        "completion_truncated": int(stats["completion_cut"][kept].sum()),
+        "template_prefix_mismatch": int(stats["template_mismatches"].sum()),
+        "tokens": {
+            "prompt": _length_stats(lengths["prompt"]),
+            "chosen_sequence": _length_stats(chosen_lengths),
+            "rejected_sequence": _length_stats(rejected_lengths),
+            "total": int(chosen_lengths.sum() + rejected_lengths.sum()),
+        },
+    }
+    return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint)
+
+
+# ----------------------------------------------------------------------------- outputs
+def write_pairs_jsonl(prepared: PreparedPairs, path) -> None:
+    """One JSON line per pair, written to a temporary file in the same folder and renamed: never half written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
+    try:
+        with handle:
+            for batch in prepared.dataset.iter(batch_size=1024):
+                for values in zip(*(batch[name] for name in PAIR_COLUMNS)):
+                    handle.write(json.dumps(dict(zip(PAIR_COLUMNS, values))) + "\n")
+        os.replace(handle.name, path)
+    except BaseException:
+        os.unlink(handle.name)
+        raise
+
+
+def run_prepare(cfg: DataConfig, tokenizer, out_path, rows: list[dict] | None = None) -> dict:
+    """Body of the ``prepare`` command: tokenized pairs to ``out_path`` (JSON lines); returns the summary to print."""
+    prepared = prepare_pairs(cfg, tokenizer, rows)
+    write_pairs_jsonl(prepared, out_path)
+    return {**prepared.summary, "fingerprint": prepared.fingerprint, "output": str(out_path)}

@@ -1,0 +1,187 @@
+"""DeepSpeed engines: the trainable policy and the frozen reference.
+
+ds_packdpo plans every optimizer step itself (a variable number of packed rows
+per rank), so the DeepSpeed batch settings are pinned to one row per forward
+and one "accumulation step": the trainer marks the accumulation boundary and
+scales the loss explicitly.  A DeepSpeed config that asks for something else is
+refused here, before any process group starts, instead of silently changing
+the effective batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+from .config import REPO_DS_CONFIGS, TrainConfig
+from .errors import InputError
+
+# Keys ds_packdpo owns: each must be "auto" (or the one value the run implies).
+_PINNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def launch_world_size() -> int:
+    """World size as the launcher announced it (deepspeed/torchrun, mpirun, Slurm), before any process group."""
+    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 1
+
+
+def load_ds_config(name_or_path: str) -> tuple[dict, str]:
+    """Reads a DeepSpeed JSON config by ds_configs/ name or path; returns (config, path)."""
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = REPO_DS_CONFIGS / f"{name_or_path}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in REPO_DS_CONFIGS.glob("*.json")))
+        raise InputError(f"--ds-config {name_or_path}: no such file (built-in names: {known})")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"--ds-config {path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"--ds-config {path}: expected a JSON object, got {type(raw).__name__}")
+    return raw, str(path)
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def _check_pinned(raw: dict, source: str, dp_world_size: int) -> None:
+    for key in _PINNED_BATCH_KEYS:
+        if key in raw and raw[key] not in ("auto", 1):
+            raise InputError(
+                f"--ds-config {source}: '{key}': {raw[key]!r} contradicts the run: ds_packdpo plans each step's rows "
+                f"itself (--global-batch-pairs / --tokens-per-step); set it to \"auto\""
+            )
+    if "train_batch_size" in raw and raw["train_batch_size"] not in ("auto", dp_world_size):
+        raise InputError(
+            f"--ds-config {source}: 'train_batch_size': {raw['train_batch_size']!r} contradicts the run "
+            f"({dp_world_size} data-parallel ranks x 1 row per forward); set it to \"auto\" and use --global-batch-pairs"
+        )
+    if raw.get("fp16", {}).get("enabled") is True:
+        raise InputError(f"--ds-config {source}: fp16 is not supported (use --dtype bf16 or fp32)")
+
+
+def _replace_auto(node, values: dict, path: str, source: str):
+    """Replaces "auto" leaves by the value named after their key; any "auto" left over is an error."""
+    if isinstance(node, dict):
+        return {k: _replace_auto(v, values, f"{path}.{k}" if path else k, source) for k, v in node.items()}
+    if node == "auto":
+        key = path.rsplit(".", 1)[-1]
+        if path in values:
+            return values[path]
+        if key in values:
+            return values[key]
+        raise InputError(f"--ds-config {source}: no value for \"auto\" at '{path}'")
+    return node
+
+
+def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int, hidden_size: int,
+                   device_type: str) -> dict:
+    """The run's DeepSpeed config: "auto" values filled from the run settings, batch keys checked."""
+    _check_pinned(raw, source, dp_world_size)
+    bf16 = cfg.dtype == "bf16"
+    if raw.get("bf16", {}).get("enabled") not in (None, "auto", bf16):
+        raise InputError(f"--ds-config {source}: bf16.enabled={raw['bf16']['enabled']} contradicts --dtype {cfg.dtype}")
+    values = {
+        "train_batch_size": dp_world_size,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.max_grad_norm,
+        "bf16.enabled": bf16,
+        "lr": cfg.lr,
+        "warmup_max_lr": cfg.lr,
+        "warmup_num_steps": cfg.warmup_steps,
+        "weight_decay": cfg.weight_decay,
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "allgather_bucket_size": max(hidden_size * hidden_size, 1_000_000),
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    ds = _replace_auto(copy.deepcopy(raw), values, "", source)
+    for key, value in (("train_batch_size", dp_world_size), ("train_micro_batch_size_per_gpu", 1),
+                       ("gradient_accumulation_steps", 1)):
+        ds.setdefault(key, value)
+    ds.setdefault("bf16", {"enabled": bf16})
+    optimizer = ds.get("optimizer")
+    if device_type == "cpu" and optimizer and optimizer.get("type", "").lower() in ("adam", "adamw"):
+        # DeepSpeed would otherwise JIT-compile FusedAdam/CPUAdam, which needs a toolchain and minutes.
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    if optimizer and optimizer.get("type", "").lower() not in ("adam", "adamw", "lamb", "onebitadam", "lion"):
+        ds.setdefault("zero_allow_untested_optimizer", True)
+    return ds
+
+
+def reference_ds_config(policy_ds: dict, offload: bool) -> dict:
+    """The frozen reference runs forward only: no optimizer, no scheduler, optional parameter offload."""
+    ref = {k: copy.deepcopy(v) for k, v in policy_ds.items() if k not in ("optimizer", "scheduler")}
+    zero = ref.setdefault("zero_optimization", {"stage": 0})
+    zero.pop("offload_optimizer", None)
+    if offload:
+        if zero_stage(ref) != 3:
+            raise InputError("--ref-offload needs a ZeRO-3 DeepSpeed config (parameter offload is a stage-3 feature)")
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    elif zero.get("offload_param", {}).get("device") not in (None, "none"):
+        zero.pop("offload_param")  # the policy offloads; the reference keeps the default unless --ref-offload
+    return ref
+
+
+def _build(cfg: TrainConfig, ds_config: dict, model_path: str | None, vocab_size: int, attn: str):
+    """Builds or loads the model with ZeRO-3 partitioning at construction where the config asks for it."""
+    import torch
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from .models import build_model
+
+    # While this object lives, transformers wraps from_pretrained/from_config in deepspeed.zero.Init,
+    # so no rank ever holds the full weights.
+    keep_alive = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
+    torch.manual_seed(cfg.seed)  # policy and reference built from a config get identical weights
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    model = build_model(model_path, cfg.model_config if model_path is None else None, vocab_size, dtype, attn,
+                        seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+    return model, keep_alive
+
+
+def build_engines(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str):
+    """Returns (policy engine, reference model or engine); the reference is None for SimPO."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    policy_model, keep_alive = _build(cfg, ds_config, cfg.model, vocab_size, attn)
+    params = [p for p in policy_model.parameters() if p.requires_grad]
+    policy, _, _, _ = deepspeed.initialize(model=policy_model, model_parameters=params, config=ds_config)
+    del keep_alive
+    if cfg.loss == "simpo":
+        return policy, None
+
+    ref_ds = reference_ds_config(ds_config, cfg.ref_offload)
+    ref_model, keep_alive = _build(cfg, ref_ds, cfg.ref_model or cfg.model, vocab_size, attn)
+    ref_model.eval()
+    ref_model.requires_grad_(False)
+    if zero_stage(ref_ds) == 3:
+        reference, _, _, _ = deepspeed.initialize(model=ref_model, config=ref_ds)
+        reference.eval()
+    else:
+        # ZeRO 0-2 shard only optimizer state and gradients; a frozen model has neither, so it stays whole.
+        reference = ref_model.to(get_accelerator().current_device_name())
+    del keep_alive
+    return policy, reference
+
+
+def model_hidden_size(cfg: TrainConfig, vocab_size: int) -> int:
+    """Hidden size from the model config alone (cheap), for DeepSpeed's bucket sizes."""
+    from .models import load_model_config
+
+    if cfg.model is not None:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    else:
+        hf = load_model_config(cfg.model_config or "tiny", vocab_size)
+    return int(getattr(hf, "hidden_size", 1024))

@@ -1,0 +1,148 @@
+"""The DPO loss family on per-sequence log-probs, and the globally normalized loss.
+
+Formulas and metric names follow TRL's ``DPOTrainer`` (``CPOTrainer`` for SimPO) so
+results compare one to one.  Two deliberate differences:
+
+* IPO and SimPO use the average log-prob per completion token of EACH sequence.
+  TRL's padding-free path divided by the whole packed row's token count instead.
+* Losses are returned per pair and reduced by :func:`global_normalized_loss`:
+  under token-budget packing ranks hold different numbers of pairs, so a per-rank
+  mean averaged by DeepSpeed would weight pairs unequally.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import InputError
+from .logps import SequenceLogps
+
+LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")
+LENGTH_NORMALIZED = ("ipo", "simpo")
+REFERENCE_FREE = ("simpo",)
+_SMOOTHABLE = ("sigmoid", "robust", "simpo")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    rpo_alpha: float = 0.0
+
+    def validate(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise InputError(f"--loss: unknown loss {self.loss_type!r} (choices: {', '.join(LOSS_TYPES)})")
+        if not (math.isfinite(self.beta) and self.beta > 0):
+            raise InputError(f"--beta must be a finite number > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise InputError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing > 0 and self.loss_type not in _SMOOTHABLE:
+            raise InputError(f"--label-smoothing {self.label_smoothing} has no effect with --loss {self.loss_type} "
+                             f"(only {', '.join(_SMOOTHABLE)} use it); set it to 0")
+        if not math.isfinite(self.simpo_gamma):
+            raise InputError(f"--simpo-gamma must be finite, got {self.simpo_gamma}")
+        if not (math.isfinite(self.rpo_alpha) and self.rpo_alpha >= 0):
+            raise InputError(f"--rpo-alpha must be a finite number >= 0, got {self.rpo_alpha}")
+
+
+def _chosen_rejected(seqs: SequenceLogps, length_normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if length_normalized:
+        return seqs.chosen_logps / seqs.chosen_tokens, seqs.rejected_logps / seqs.rejected_tokens
+    return seqs.chosen_logps, seqs.rejected_logps
+
+
+def _smoothed_sigmoid(scaled: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    return -F.logsigmoid(scaled) * (1 - label_smoothing) - F.logsigmoid(-scaled) * label_smoothing
+
+
+def pair_losses(policy: SequenceLogps, reference: SequenceLogps | None,
+                cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-pair losses [P] (differentiable) and per-pair metrics [P] (detached, TRL names).
+
+    ``logps/*`` and ``rewards/*`` use the log-probs the loss sees: per-token averages
+    for IPO and SimPO, sums otherwise (as TRL reports them).
+    """
+    normalized = cfg.loss_type in LENGTH_NORMALIZED
+    chosen, rejected = _chosen_rejected(policy, normalized)
+    beta, ls = cfg.beta, cfg.label_smoothing
+    if cfg.loss_type in REFERENCE_FREE:
+        logits = (chosen - rejected) - cfg.simpo_gamma / beta
+        losses = _smoothed_sigmoid(beta * logits, ls)
+        chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
+    else:
+        if reference is None:
+            raise ValueError(f"loss {cfg.loss_type!r} needs reference log-probs")
+        ref_chosen, ref_rejected = _chosen_rejected(reference, normalized)
+        logits = (chosen - ref_chosen) - (rejected - ref_rejected)
+        if cfg.loss_type == "sigmoid":
+            losses = _smoothed_sigmoid(beta * logits, ls)
+        elif cfg.loss_type == "robust":
+            losses = (-F.logsigmoid(beta * logits) * (1 - ls) + F.logsigmoid(-beta * logits) * ls) / (1 - 2 * ls)
+        elif cfg.loss_type == "hinge":
+            losses = torch.relu(1 - beta * logits)
+        else:  # ipo
+            losses = (logits - 1 / (2 * beta)) ** 2
+        chosen_rewards = beta * (chosen - ref_chosen).detach()
+        rejected_rewards = beta * (rejected - ref_rejected).detach()
+
+    metrics = {
+        "rewards/chosen": chosen_rewards,
+        "rewards/rejected": rejected_rewards,
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+        "rewards/margins": chosen_rewards - rejected_rewards,
+        "logps/chosen": chosen.detach(),
+        "logps/rejected": rejected.detach(),
+        "logits/chosen": policy.chosen_logits_sum / policy.chosen_tokens,
+        "logits/rejected": policy.rejected_logits_sum / policy.rejected_tokens,
+    }
+    if cfg.rpo_alpha > 0:
+        nll = -policy.chosen_logps / policy.chosen_tokens  # NLL per chosen token, per pair
+        losses = losses + cfg.rpo_alpha * nll
+        metrics["nll_loss"] = nll.detach()
+    return losses, metrics
+
+
+def metric_sums(per_pair_metrics: dict[str, torch.Tensor], policy: SequenceLogps) -> dict[str, torch.Tensor]:
+    """Sums to all-reduce across ranks; :func:`metric_means` turns the global sums into TRL's means.
+
+    Per-pair metrics are summed (mean = sum / ``pairs``); ``logits/*`` are summed over
+    completion tokens with their token counts in ``tokens/*`` (mean over tokens, as TRL).
+    """
+    sums = {name: values.sum() for name, values in per_pair_metrics.items() if not name.startswith("logits/")}
+    sums["logits/chosen"] = policy.chosen_logits_sum.sum()
+    sums["logits/rejected"] = policy.rejected_logits_sum.sum()
+    sums["tokens/chosen"] = policy.chosen_tokens.sum()
+    sums["tokens/rejected"] = policy.rejected_tokens.sum()
+    sums["pairs"] = torch.tensor(float(policy.chosen_logps.numel()), device=policy.logps.device)
+    return sums
+
+
+def metric_means(global_sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """TRL-style means from (all-reduced) :func:`metric_sums` (a step with no pairs reports 0)."""
+    totals = {name: float(value) for name, value in global_sums.items()}
+    pairs = max(totals["pairs"], 1.0)
+    means = {}
+    for name, total in totals.items():
+        if name.startswith("logits/"):
+            means[name] = total / max(totals["tokens/" + name.split("/", 1)[1]], 1.0)
+        elif name != "pairs" and not name.startswith("tokens/"):
+            means[name] = total / pairs
+    return means
+
+
+def global_normalized_loss(per_pair_losses: torch.Tensor, global_pairs: int, dp_world_size: int) -> torch.Tensor:
+    """``sum / global_pairs * dp_world_size``.
+
+    DeepSpeed averages gradients over data-parallel ranks; scaling by the world size
+    makes that average equal the gradient of the mean loss over all pairs of the step,
+    however the pairs are split over ranks and rows.
+    """
+    if global_pairs < 1:
+        raise ValueError(f"global_pairs must be >= 1, got {global_pairs}")
+    return per_pair_losses.sum() * (dp_world_size / global_pairs)

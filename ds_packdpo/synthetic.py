@@ -1,0 +1,116 @@
+"""The embedded default dataset: preference pairs built in memory, no files, no downloads.
+
+Two needs shape it.  Packing and rank balancing are only worth measuring on
+lengths that look like real chat data, so prompt and reply word counts are
+lognormal (a long right tail, like dpo_en_demo.json).  And a default run must
+show that training works, so the preference is one a tiny randomly initialised
+model picks up by DPO in ~100 CPU steps: every topic owns a set of "good" reply
+words and a disjoint set of "bad" ones; the chosen reply is written in the
+prompt topic's good words, the rejected one in its bad words.  That is a
+token-level difference (a unigram bias already separates them), and the topic
+conditioning gives attention something to learn on top.
+
+Words are pronounceable pseudo-words so the vocabulary is large, fixed and
+disjoint by construction; the vocabulary does not depend on ``seed``, only the
+sampled pairs do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from .tokenizer import train_bpe_tokenizer
+
+NUM_TOPICS = 8
+WORDS_PER_SET = 24
+NEUTRAL_WORDS = 32
+PROMPT_MEDIAN_WORDS, PROMPT_SIGMA, PROMPT_MAX_WORDS = 40, 0.9, 400
+REPLY_MEDIAN_WORDS, REPLY_SIGMA, REPLY_MAX_WORDS = 30, 0.7, 300
+MIN_WORDS = 3
+# Share of prompt words drawn from the topic's good words (the rest are neutral),
+# so the prompt names its topic with the very words a chosen reply should use.
+PROMPT_TOPIC_SHARE = 0.5
+DEFAULT_VOCAB_SIZE = 1024  # ~1.05 tokens per pseudo-word; 768 gives ~1.4
+
+_CONSONANTS = list("bdfgklmnprstvz")
+_VOWELS = list("aeiou")
+
+
+def _pseudo_words(count: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` distinct consonant-vowel words of 2-3 syllables."""
+    syllables = np.array([c + v for c in _CONSONANTS for v in _VOWELS])
+    words: dict[str, None] = {}
+    while len(words) < count:
+        n_syllables = rng.integers(2, 4)
+        words.setdefault("".join(rng.choice(syllables, size=n_syllables)), None)
+    return np.array(list(words))
+
+
+def _vocabulary() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(good [topics, words], bad [topics, words], neutral [words]); fixed, all disjoint."""
+    words = _pseudo_words(2 * NUM_TOPICS * WORDS_PER_SET + NEUTRAL_WORDS, np.random.default_rng(20240611))
+    topic_words = words[: 2 * NUM_TOPICS * WORDS_PER_SET].reshape(NUM_TOPICS, 2, WORDS_PER_SET)
+    return topic_words[:, 0], topic_words[:, 1], words[2 * NUM_TOPICS * WORDS_PER_SET :]
+
+
+GOOD_WORDS, BAD_WORDS, NEUTRAL = _vocabulary()
+
+
+def _lognormal_counts(rng: np.random.Generator, n: int, median: int, sigma: float, maximum: int) -> np.ndarray:
+    counts = np.rint(rng.lognormal(np.log(median), sigma, size=n)).astype(np.int64)
+    return np.clip(counts, MIN_WORDS, maximum)
+
+
+def _sentences(words: np.ndarray, counts: np.ndarray) -> list[str]:
+    """Splits a flat word array into one space-joined text per count."""
+    bounds = np.cumsum(counts)[:-1]
+    return [" ".join(chunk) for chunk in np.split(words, bounds)]
+
+
+def synthetic_preference_rows(num_pairs: int = 2048, seed: int = 0) -> list[dict]:
+    """Conversational rows with an explicit prompt; deterministic for ``(num_pairs, seed)``."""
+    rng = np.random.default_rng(seed)
+    topics = rng.integers(0, NUM_TOPICS, size=num_pairs)
+    prompt_counts = _lognormal_counts(rng, num_pairs, PROMPT_MEDIAN_WORDS, PROMPT_SIGMA, PROMPT_MAX_WORDS)
+    chosen_counts = _lognormal_counts(rng, num_pairs, REPLY_MEDIAN_WORDS, REPLY_SIGMA, REPLY_MAX_WORDS)
+    rejected_counts = _lognormal_counts(rng, num_pairs, REPLY_MEDIAN_WORDS, REPLY_SIGMA, REPLY_MAX_WORDS)
+
+    prompt_topic = np.repeat(topics, prompt_counts)
+    from_topic = rng.random(prompt_topic.size) < PROMPT_TOPIC_SHARE
+    from_topic[np.cumsum(prompt_counts) - prompt_counts] = True  # every prompt opens with a topic word
+    prompt_words = np.where(
+        from_topic,
+        GOOD_WORDS[prompt_topic, rng.integers(0, WORDS_PER_SET, size=prompt_topic.size)],
+        NEUTRAL[rng.integers(0, NEUTRAL.size, size=prompt_topic.size)],
+    )
+    chosen_topic = np.repeat(topics, chosen_counts)
+    chosen_words = GOOD_WORDS[chosen_topic, rng.integers(0, WORDS_PER_SET, size=chosen_topic.size)]
+    rejected_topic = np.repeat(topics, rejected_counts)
+    rejected_words = BAD_WORDS[rejected_topic, rng.integers(0, WORDS_PER_SET, size=rejected_topic.size)]
+
+    prompts = _sentences(prompt_words, prompt_counts)
+    chosen = _sentences(chosen_words, chosen_counts)
+    rejected = _sentences(rejected_words, rejected_counts)
+    return [
+        {
+            "prompt": [{"role": "user", "content": prompt + "?"}],
+            "chosen": [{"role": "assistant", "content": good + "."}],
+            "rejected": [{"role": "assistant", "content": bad + "."}],
+        }
+        for prompt, good, bad in zip(prompts, chosen, rejected)
+    ]
+
+
+def synthetic_corpus(rows) -> Iterator[str]:
+    """Every message text of the rows, in order: what the local tokenizer is trained on."""
+    for row in rows:
+        for key in ("prompt", "chosen", "rejected"):
+            for message in row[key]:
+                yield message["content"]
+
+
+def default_tokenizer(rows):
+    """The local BPE tokenizer for the synthetic rows."""
+    return train_bpe_tokenizer(synthetic_corpus(rows), vocab_size=DEFAULT_VOCAB_SIZE)

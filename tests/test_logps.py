@@ -1,0 +1,100 @@
+"""Chunked label log-probs against a plain log_softmax reference: values, gradients, memory shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds_packdpo.logps import sequence_logps
+
+
+def random_layout(g: torch.Generator, rows: int, length: int, vocab: int, sequences: int):
+    """Arbitrary labels (about half -100) and sequence ids, as a packed or padded collation could give."""
+    labels = torch.randint(0, vocab, (rows, length), generator=g)
+    labels[torch.rand(rows, length, generator=g) < 0.5] = -100
+    seq_index = torch.randint(0, sequences, (rows, length), generator=g)
+    return labels, seq_index
+
+
+def plain_reference(logits, labels, seq_index, sequences):
+    """The obvious computation: full fp32 log_softmax, then a loop over sequences."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    mask = labels != -100
+    per_token = logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
+    mean_logit = logits.float().mean(-1)
+    out = [(per_token[mask & (seq_index == s)].sum(), (mask & (seq_index == s)).sum().float(),
+            mean_logit[mask & (seq_index == s)].sum()) for s in range(sequences)]
+    return [torch.stack(column) for column in zip(*out)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3), length=st.integers(1, 20), vocab=st.integers(2, 50), sequences=st.integers(1, 6),
+       chunk=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_chunked_values_and_gradients_match_plain_log_softmax(rows, length, vocab, sequences, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, length, vocab, generator=g) * 4).requires_grad_()
+    labels, seq_index = random_layout(g, rows, length, vocab, sequences)
+    weights = torch.randn(sequences, generator=g)
+
+    result = sequence_logps(logits, labels, seq_index, sequences, chunk_tokens=chunk)
+    (grad,) = torch.autograd.grad((result.logps * weights).sum(), logits)
+    ref_logps, ref_tokens, ref_logits_sum = plain_reference(logits, labels, seq_index, sequences)
+    (ref_grad,) = torch.autograd.grad((ref_logps * weights).sum(), logits)
+
+    torch.testing.assert_close(result.logps, ref_logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(result.tokens, ref_tokens, rtol=0, atol=0)
+    torch.testing.assert_close(result.logits_sum, ref_logits_sum.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert result.logps.dtype == torch.float32 and not result.logits_sum.requires_grad
+
+
+def test_chosen_rejected_views_follow_canonical_order():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 10, 8, generator=g)
+    labels = torch.randint(0, 8, (1, 10), generator=g)
+    seq_index = torch.tensor([[0, 0, 1, 1, 1, 2, 3, 3, 3, 3]])
+    result = sequence_logps(logits, labels, seq_index, 4)
+    assert result.chosen_tokens.tolist() == [2.0, 1.0] and result.rejected_tokens.tolist() == [3.0, 4.0]
+    assert torch.equal(result.chosen_logps, result.logps[[0, 2]])
+    assert torch.equal(result.rejected_logps, result.logps[[1, 3]])
+    assert torch.equal(result.rejected_logits_sum, result.logits_sum[[1, 3]])
+
+
+def test_bf16_logits_never_saved_as_full_fp32_log_softmax():
+    """With bf16 logits, autograd keeps the bf16 logits and per-token scalars, no fp32 [T, V] tensor."""
+    g = torch.Generator().manual_seed(1)
+    tokens, vocab, chunk = 64, 300, 16
+    logits = (torch.randn(1, tokens, vocab, generator=g) * 3).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, vocab, (1, tokens), generator=g)
+    labels[0, :5] = -100
+    seq_index = (torch.arange(tokens) // 16)[None]
+    saved = []
+
+    def pack(tensor):
+        saved.append((tensor.dtype, tensor.numel()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = sequence_logps(logits, labels, seq_index, 4, chunk_tokens=chunk)
+    largest_fp32 = max(n for dtype, n in saved if dtype == torch.float32)
+    assert largest_fp32 < tokens * 2  # per-token logsumexp, not [T, V]
+    assert (torch.bfloat16, tokens * vocab) in saved  # the logits themselves
+
+    result.logps.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
+    ref_sums = torch.zeros(4).index_add_(0, seq_index[0][labels[0] != -100], ref[0][labels[0] != -100])
+    torch.testing.assert_close(result.logps.detach(), ref_sums, rtol=1e-5, atol=1e-4)
+
+
+def test_no_completion_tokens_gives_zeros_and_bad_chunk_is_refused():
+    logits = torch.randn(1, 1, 5, requires_grad=True)
+    result = sequence_logps(logits, torch.full((1, 1), -100), torch.zeros(1, 1, dtype=torch.long), 0)
+    assert result.logps.shape == (0,)
+    empty = sequence_logps(logits, torch.full((1, 1), -100), torch.zeros(1, 1, dtype=torch.long), 2)
+    assert empty.logps.tolist() == [0.0, 0.0] and empty.tokens.tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        sequence_logps(logits, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), 1,
+                       chunk_tokens=0)

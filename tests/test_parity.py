@@ -1,0 +1,93 @@
+"""Packing is exact: packed rows give the per-sequence log-probs and DPO gradients of padded batches.
+
+Tiny random Llama and Qwen2 models (built from configs, fp32) for every backend that
+runs on CPU.  flex_attention runs forward only here: torch 2.13 raises
+``NotImplementedError: FlexAttention does not support backward on CPU`` (measured), so
+its gradient parity is left to GPU machines.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_packdpo.collate import collate_packed, collate_padded
+from ds_packdpo.logps import SequenceLogps, forward_logps
+from ds_packdpo.losses import LossConfig, global_normalized_loss, pair_losses
+from ds_packdpo.models import build_model
+
+VOCAB = 512
+LOSSES = [LossConfig("sigmoid", beta=0.5), LossConfig("ipo", beta=0.5), LossConfig("simpo", beta=2.0, rpo_alpha=0.5)]
+
+
+def random_pairs(count: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(low: int, high: int) -> list[int]:
+        return torch.randint(0, VOCAB, (int(torch.randint(low, high, (), generator=g)),), generator=g).tolist()
+
+    return [{"prompt_ids": ids(1, 25), "chosen_ids": ids(1, 30), "rejected_ids": ids(1, 30)} for _ in range(count)]
+
+
+def both_layouts(pairs):
+    index = list(range(len(pairs)))
+    return collate_packed(pairs, index, pad_token_id=0), collate_padded(pairs, index, pad_token_id=0)
+
+
+def dpo_gradients(model, batch, attn, reference, cfg):
+    model.zero_grad(set_to_none=True)
+    losses, _ = pair_losses(forward_logps(model, batch, attn, chunk_tokens=16), reference, cfg)
+    global_normalized_loss(losses, global_pairs=batch.num_pairs, dp_world_size=1).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["tiny", "tiny-qwen2"])
+def test_packed_equals_padded_logps_and_dpo_gradients(arch, attn):
+    model = build_model(None, arch, VOCAB, torch.float32, attn, seed=0)
+    pairs = random_pairs(4, seed=7)
+    packed, padded = both_layouts(pairs)
+    assert packed.computed_tokens < padded.computed_tokens  # the rows really differ in layout
+
+    policy_packed = forward_logps(model, packed, attn)
+    policy_padded = forward_logps(model, padded, attn)
+    assert (policy_packed.logps - policy_padded.logps).abs().max() <= 1e-4
+    assert torch.equal(policy_packed.tokens, policy_padded.tokens)
+    torch.testing.assert_close(policy_packed.logits_sum, policy_padded.logits_sum, rtol=1e-5, atol=1e-5)
+    expected_tokens = [float(len(p[k])) for p in pairs for k in ("chosen_ids", "rejected_ids")]
+    assert policy_packed.tokens.tolist() == expected_tokens
+
+    with torch.no_grad():  # a reference from another model, given as precomputed values
+        reference_model = build_model(None, arch, VOCAB, torch.float32, attn, seed=1)
+        ref = forward_logps(reference_model, packed, attn)
+        reference = SequenceLogps(ref.logps.clone(), ref.tokens, ref.logits_sum)
+
+    for cfg in LOSSES:
+        grads_packed = dpo_gradients(model, packed, attn, reference, cfg)
+        grads_padded = dpo_gradients(model, padded, attn, reference, cfg)
+        for name, grad in grads_padded.items():
+            difference = (grads_packed[name] - grad).norm()
+            assert difference <= 1e-4 * grad.norm() + 1e-9, (cfg.loss_type, name, float(difference), float(grad.norm()))
+        assert sum(float(g.norm()) for g in grads_padded.values()) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["tiny", "tiny-qwen2"])
+def test_flex_attention_packed_equals_padded_forward(arch):
+    model = build_model(None, arch, VOCAB, torch.float32, "flex_attention", seed=0).eval()
+    packed, padded = both_layouts(random_pairs(3, seed=11))
+    with torch.no_grad():
+        difference = (forward_logps(model, packed, "flex_attention").logps
+                      - forward_logps(model, padded, "flex_attention").logps).abs().max()
+    assert difference <= 1e-4
+
+
+def test_dummy_row_contributes_zero_loss_and_zero_gradient():
+    """A rank with no pair left still runs one forward/backward (ZeRO-3 needs it), adding nothing."""
+    model = build_model(None, "tiny", VOCAB, torch.float32, "sdpa", seed=0)
+    dummy = collate_packed([], [], pad_token_id=0)
+    policy = forward_logps(model, dummy, "sdpa")
+    losses, metrics = pair_losses(policy, policy, LossConfig())
+    loss = global_normalized_loss(losses, global_pairs=8, dp_world_size=2)
+    loss.backward()
+    assert policy.logps.shape == (0,) and float(loss.detach()) == 0.0 and metrics["rewards/chosen"].shape == (0,)
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

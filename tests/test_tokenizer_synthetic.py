@@ -1,0 +1,116 @@
+"""Local BPE tokenizer and the embedded synthetic preference data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds_packdpo.data import DataConfig, prepare_pairs, tokenizer_fingerprint
+from ds_packdpo.errors import InputError
+from ds_packdpo.synthetic import (
+    BAD_WORDS,
+    GOOD_WORDS,
+    NEUTRAL,
+    default_tokenizer,
+    synthetic_corpus,
+    synthetic_preference_rows,
+)
+from ds_packdpo.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine", "hello world, hello tokenizer"] * 20
+
+
+def test_bpe_training_is_deterministic():
+    first, second = train_bpe_tokenizer(TEXTS, vocab_size=300), train_bpe_tokenizer(TEXTS, vocab_size=300)
+    assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
+    assert tokenizer_fingerprint(first) == tokenizer_fingerprint(second)
+
+
+def test_bpe_special_tokens_and_chat_template():
+    tok = train_bpe_tokenizer(TEXTS, vocab_size=300)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
+    assert len({tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}) == 3
+    ids = tok("hello world")["input_ids"]
+    assert ids[0] == tok.bos_token_id and tok.decode(ids[1:]) == "hello world"
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+        "<|bos|><|system|>be brief<|eos|><|user|>hello<|eos|><|assistant|>"
+    )
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    full = tok.apply_chat_template(messages + [{"role": "assistant", "content": "hi"}], return_dict=False)
+    assert full[: len(prompt)] == prompt and full[-1] == tok.eos_token_id
+    assert tok.decode(full[len(prompt):]) == "hi<|eos|>"
+    with pytest.raises(Exception, match="unknown role: tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def test_load_tokenizer_round_trip_and_errors(tmp_path):
+    tok = train_bpe_tokenizer(TEXTS, vocab_size=300)
+    tok.save_pretrained(str(tmp_path / "tok"))
+    loaded = load_tokenizer(str(tmp_path / "tok"))
+    assert loaded("hello world")["input_ids"] == tok("hello world")["input_ids"]
+    messages = [{"role": "user", "content": "hello"}]
+    assert loaded.apply_chat_template(messages, return_dict=False) == tok.apply_chat_template(messages, return_dict=False)
+    assert tokenizer_fingerprint(loaded) == tokenizer_fingerprint(tok)
+
+    with pytest.raises(InputError, match="no such folder"):
+        load_tokenizer(str(tmp_path / "missing"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    (broken / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(InputError, match=f"tokenizer {broken}: cannot load it"):
+        load_tokenizer(str(broken))
+
+
+def _topic_of(words, table):
+    """Index of the one row of ``table`` holding every word (or None)."""
+    hits = [t for t in range(table.shape[0]) if set(words) <= set(table[t])]
+    return hits[0] if len(hits) == 1 else None
+
+
+def test_synthetic_rows_are_deterministic_per_seed():
+    assert synthetic_preference_rows(64, seed=3) == synthetic_preference_rows(64, seed=3)
+    assert synthetic_preference_rows(64, seed=3) != synthetic_preference_rows(64, seed=4)
+    assert len(synthetic_preference_rows(10)) == 10
+
+
+def test_synthetic_lengths_are_heavy_tailed():
+    rows = synthetic_preference_rows(2048, seed=0)
+    for key in ("prompt", "chosen", "rejected"):
+        words = np.array([len(row[key][0]["content"].split()) for row in rows])
+        assert np.percentile(words, 90) / np.median(words) > 2, key
+        assert words.max() > 4 * np.median(words), key
+    prompt_words = np.array([len(row["prompt"][0]["content"].split()) for row in rows])
+    assert 30 <= np.median(prompt_words) <= 50
+
+
+def test_synthetic_chosen_and_rejected_differ_by_the_rule():
+    rows = synthetic_preference_rows(256, seed=1)
+    vocab = np.concatenate([GOOD_WORDS.ravel(), BAD_WORDS.ravel(), NEUTRAL])
+    assert len(set(vocab)) == vocab.size  # the word sets are disjoint
+    for row in rows:
+        prompt = row["prompt"][0]["content"].rstrip("?").split()
+        chosen = row["chosen"][0]["content"].rstrip(".").split()
+        rejected = row["rejected"][0]["content"].rstrip(".").split()
+        assert [m["role"] for m in row["prompt"] + row["chosen"] + row["rejected"]] == ["user", "assistant", "assistant"]
+        topic = _topic_of([w for w in prompt if w not in set(NEUTRAL)], GOOD_WORDS)
+        assert topic is not None
+        assert set(chosen) <= set(GOOD_WORDS[topic])
+        assert set(rejected) <= set(BAD_WORDS[topic])
+
+
+def test_default_tokenizer_prepares_the_synthetic_rows(tmp_path):
+    rows = synthetic_preference_rows(128, seed=0)
+    tok = default_tokenizer(rows)
+    assert len(tok) == 1024
+    assert sum(1 for _ in synthetic_corpus(rows)) == 3 * len(rows)
+    prepared = prepare_pairs(DataConfig("synthetic", max_length=4096, cache_dir=str(tmp_path)), tok, rows=rows)
+    summary = prepared.summary
+    assert (summary["format"], summary["kept"], summary["template_prefix_mismatch"]) == ("conversational", 128, 0)
+    first = prepared.dataset[0]
+    assert tok.decode(first["chosen_ids"]) == rows[0]["chosen"][0]["content"] + "<|eos|>"
+    # pseudo-words are (almost all) single tokens, so a reply is about one token per word
+    words = sum(len(r["chosen"][0]["content"].split()) for r in rows)
+    tokens = sum(len(ids) for ids in prepared.dataset["chosen_ids"])
+    assert tokens < 1.3 * words
