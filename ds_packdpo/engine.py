@@ -96,14 +96,17 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
         "bf16.enabled": bf16,
         "lr": cfg.lr,
         "warmup_max_lr": cfg.lr,
-        "warmup_num_steps": cfg.warmup_steps,
+        "warmup_num_steps": max(1, cfg.warmup_steps),  # DeepSpeed refuses 0; 1 step at lr is no warm-up
         "weight_decay": cfg.weight_decay,
         "reduce_bucket_size": hidden_size * hidden_size,
         "allgather_bucket_size": max(hidden_size * hidden_size, 1_000_000),
         "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
         "stage3_param_persistence_threshold": 10 * hidden_size,
     }
-    ds = _replace_auto(copy.deepcopy(raw), values, "", source)
+    raw = copy.deepcopy(raw)
+    if cfg.warmup_steps == 0 and raw.get("scheduler", {}).get("type") == "WarmupLR":
+        raw.pop("scheduler")  # no warm-up: a constant LR (DeepSpeed's WarmupLR would start at 0)
+    ds = _replace_auto(raw, values, "", source)
     for key, value in (("train_batch_size", dp_world_size), ("train_micro_batch_size_per_gpu", 1),
                        ("gradient_accumulation_steps", 1)):
         ds.setdefault(key, value)

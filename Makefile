@@ -1,0 +1,22 @@
+# Two commands do all the set-up: `make demo` and `make test` (both create .venv).
+PY := .venv/bin/python
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: install demo test
+install: .venv/.installed
+
+# torch first, from the CPU wheel, so that pip does not pull a multi-GB CUDA build for `torch>=`.
+.venv/.installed: pyproject.toml
+	python3 -m venv .venv
+	.venv/bin/pip install -q torch==2.13.0
+	.venv/bin/pip install -q -e '.[test,mpi]' accelerate
+	touch $@
+
+demo: install
+	.venv/bin/ds-packdpo train --output-dir runs/demo --overwrite --synthetic-pairs 1024 \
+		--global-batch-pairs 16 --max-length 256 --max-steps 60 --lr 1e-3 --beta 0.1
+	$(PY) -c "import json; r=[json.loads(l) for l in open('runs/demo/metrics.jsonl')][-10:]; \
+print('last 10 steps: loss %.3f  rewards/accuracies %.3f' % (sum(x['loss'] for x in r)/len(r), sum(x['rewards/accuracies'] for x in r)/len(r)))"
+
+test: install
+	.venv/bin/pytest -q

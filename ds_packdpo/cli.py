@@ -1,0 +1,172 @@
+"""``ds-packdpo``: train, prepare, pack-stats and check.
+
+``ds-packdpo train`` outside a launcher starts the deepspeed launcher itself
+(2 CPU ranks, or one per GPU), so the embedded default runs with one command;
+under a launcher (``deepspeed --module ds_packdpo.train``, mpirun) it is one rank.
+Bad input ends every subcommand with ``error: <one line>`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Callable
+
+from .errors import InputError
+
+LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def run_guarded(job: Callable[[], int]) -> int:
+    """Turns user errors into one line and exit code 2 (no traceback for a user's mistake)."""
+    try:
+        return job()
+    except InputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:
+        from .models import PackingNotExactError
+
+        if isinstance(error, PackingNotExactError):
+            print(f"error: {error}", file=sys.stderr)
+            return 3
+        raise
+
+
+def _launch_train(argv: list[str], num_procs: int | None, master_port: int) -> int:
+    """Re-runs this command under the deepspeed launcher (arguments passed as a list, never through a shell)."""
+    import torch
+
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    procs = num_procs or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port),
+           "--module", "ds_packdpo.train", *argv]
+    return subprocess.call(cmd, env=env)
+
+
+def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    from .config import add_arguments
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    return parser
+
+
+def cmd_prepare(argv: list[str]) -> int:
+    parser = _data_parser("ds-packdpo prepare", "Tokenize and validate a preference dataset; print a JSON summary.")
+    parser.add_argument("--out", default=None, help="Write the tokenized pairs as JSON lines.")
+    args = parser.parse_args(argv)
+
+    def job() -> int:
+        from .config import config_from_args
+        from .data import DataConfig, prepare_pairs, run_prepare
+        from .trainer import _tokenizer_and_rows
+
+        cfg = config_from_args(args)
+        tokenizer, rows = _tokenizer_and_rows(cfg)
+        data_cfg = DataConfig.from_settings(cfg, dataset=cfg.dataset or "synthetic")
+        if args.out:
+            summary = run_prepare(data_cfg, tokenizer, args.out, rows=rows)
+        else:
+            prepared = prepare_pairs(data_cfg, tokenizer, rows=rows)
+            summary = {**prepared.summary, "fingerprint": prepared.fingerprint}
+        print(json.dumps(summary, indent=2))
+        return 0
+
+    return run_guarded(job)
+
+
+def cmd_pack_stats(argv: list[str]) -> int:
+    parser = _data_parser("ds-packdpo pack-stats", "Plan only (no model): packing and balance figures as JSON.")
+    parser.add_argument("--world-size", type=int, default=1, help="Data-parallel ranks to plan for.")
+    parser.add_argument("--plan-out", default=None, help="Write one JSON line per (step, rank, row).")
+    args = parser.parse_args(argv)
+
+    def job() -> int:
+        from .config import config_from_args
+        from .packing import PlanConfig, iter_plan, pack_stats, write_plan_jsonl
+        from .trainer import _tokenizer_and_rows, prepare_data
+
+        cfg = config_from_args(args)
+        if args.world_size < 1:
+            raise InputError(f"--world-size must be >= 1, got {args.world_size}")
+        tokenizer, rows = _tokenizer_and_rows(cfg)
+        prepared = prepare_data(cfg, tokenizer, rows)
+        plan_cfg = PlanConfig(max_tokens_per_row=cfg.row_budget, world_size=args.world_size, seed=cfg.seed,
+                              global_batch_pairs=cfg.batch_pairs, tokens_per_step=cfg.tokens_per_step,
+                              drop_last=cfg.drop_last, attention_weight=cfg.attention_weight,
+                              micro_batch_pairs=cfg.micro_batch_pairs)
+        lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
+        stats = pack_stats(*lengths, plan_cfg, epochs=cfg.epochs)
+        if args.plan_out:
+            write_plan_jsonl(iter_plan(*lengths, plan_cfg, cfg.epochs), args.plan_out,
+                             pair_ids=prepared.dataset["pair_id"])
+        print(json.dumps({"dataset": cfg.dataset or "synthetic", **stats,
+                          "data": {k: prepared.summary[k] for k in ("rows", "kept", "dropped")}}, indent=2))
+        return 0
+
+    return run_guarded(job)
+
+
+def cmd_check(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ds-packdpo check",
+                                     description="Packed vs one-sequence-at-a-time log-probs of a real model.")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tokenizer", default=None, help="Default: the model folder.")
+    parser.add_argument("--attn", default="auto")
+    parser.add_argument("--dataset", default=None)
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--trust-remote-code", action="store_true")
+    args = parser.parse_args(argv)
+
+    def job() -> int:
+        from .models import run_check
+
+        result = run_check(args.model, args.tokenizer or args.model, attn=args.attn, dataset=args.dataset,
+                           pairs=args.pairs, trust_remote_code=args.trust_remote_code, dtype=args.dtype)
+        print(json.dumps(result))
+        return 0 if result["ok"] else 1
+
+    return run_guarded(job)
+
+
+def cmd_train(argv: list[str]) -> int:
+    if any(os.environ.get(k) for k in LAUNCHED_ENV):
+        from .train import main as rank_main
+
+        return rank_main(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--num-procs", type=int, default=None)
+    pre.add_argument("--master-port", type=int, default=29500)
+    launch, rest = pre.parse_known_args(argv)
+    from .config import parse_train_args
+
+    # Validate the settings here too, so a typo fails before any rank starts (and --help prints the flags).
+    code = run_guarded(lambda: parse_train_args(rest) and 0)
+    if code:
+        return code
+    return _launch_train(rest, launch.num_procs, launch.master_port)
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        names = ", ".join(COMMANDS)
+        print(f"usage: ds-packdpo {{{names}}} [flags]   (ds-packdpo COMMAND --help for the flags)", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Entry point of one training rank: ``deepspeed ... --module ds_packdpo.train <flags>``."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import run_guarded
+from .config import parse_train_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    def job() -> int:
+        from .trainer import train
+
+        train(parse_train_args(argv, prog="ds_packdpo.train"))
+        return 0
+
+    return run_guarded(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
