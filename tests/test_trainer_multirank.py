@@ -1,0 +1,96 @@
+"""End-to-end runs under the deepspeed launcher (slow start-up: few launches, each checking several things)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+COMMON = ["--synthetic-pairs", "48", "--global-batch-pairs", "12", "--max-length", "96", "--max-steps", "3",
+          "--lr", "1e-3", "--dtype", "fp32", "--no-progress", "--overwrite"]
+_port = iter(range(29620, 29700))
+
+
+def launch(tmp_path: Path, name: str, procs: int, *flags: str) -> list[dict]:
+    out = tmp_path / name
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    cmd = [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(next(_port)), "--module", "ds_packdpo.train",
+           "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"), *COMMON, *flags]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.multirank
+def test_trajectory_independent_of_layout(tmp_path):
+    """Invariant 2: world size 1 vs 2, packed vs padded, large vs small row budget give one trajectory."""
+    reference = launch(tmp_path, "w1_packed", 1, "--max-tokens-per-row", "1024")
+    layouts = {
+        "w2_packed": launch(tmp_path, "w2_packed", 2, "--max-tokens-per-row", "1024"),
+        "w2_small_rows": launch(tmp_path, "w2_small", 2, "--max-tokens-per-row", "200"),
+        "w2_padded": launch(tmp_path, "w2_padded", 2, "--no-packing", "--micro-batch-pairs", "2"),
+    }
+    assert [r["step"] for r in reference] == [1, 2, 3]
+    assert reference[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at step 1
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    for name, run in layouts.items():
+        for ref, got in zip(reference, run, strict=True):
+            assert got["pairs"] == ref["pairs"] == 12, name
+            assert got["tokens"] == ref["tokens"], name
+            for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, got[key], ref[key])
+    # the small budget really splits rows; padding never computes fewer tokens than packing
+    assert max(r["rows_per_rank"] for r in layouts["w2_small_rows"]) > max(r["rows_per_rank"] for r in layouts["w2_packed"])
+    padded = layouts["w2_padded"]
+    assert all(r["computed_tokens"] >= r["tokens"] for r in padded)
+    assert all(r["computed_tokens"] == r["tokens"] for r in layouts["w2_packed"])
+    for key in ("step", "epoch", "loss", "grad_norm", "lr", "pairs", "tokens", "tokens_per_s", "rewards/chosen",
+                "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
+                "logits/chosen", "logits/rejected"):
+        assert key in reference[0]
+
+
+@pytest.mark.multirank
+def test_uneven_data_finishes_without_hang(tmp_path):
+    """3 pairs on 2 ranks: one rank runs a dummy row so both run the same number of forwards."""
+    runs = launch(tmp_path, "uneven", 2, "--synthetic-pairs", "3", "--global-batch-pairs", "3", "--max-steps", "2",
+                  "--epochs", "2")
+    assert [r["pairs"] for r in runs] == [3, 3]
+    assert all(r["rows_per_rank"] >= 1 for r in runs)
+
+
+def run_rank(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    """One rank without a launcher: the checks of phase one run before any process group."""
+    cmd = [sys.executable, "-m", "ds_packdpo.train", "--output-dir", str(tmp_path / "out"),
+           "--cache-dir", str(tmp_path / "cache"), *flags]
+    return subprocess.run(cmd, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-length", "256", "--max-tokens-per-row", "64"], "--max-tokens-per-row"),
+    (["--attn", "nonsense"], "--attn"),
+    (["--attn", "flash_attention_2"], "flash_attention_2"),
+    (["--ds-config", "BATCH"], "gradient_accumulation_steps"),
+    (["--ds-config", "NOTJSON"], "not valid JSON"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model"),
+    (["--global-batch-pairs", "4", "--tokens-per-step", "100"], "exclusive"),
+])
+def test_bad_configuration_fails_before_process_group(tmp_path, flags, message):
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps({"gradient_accumulation_steps": 8, "zero_optimization": {"stage": 3}}))
+    notjson = tmp_path / "bad.json"
+    notjson.write_text("{ not json")
+    flags = [str(batch) if f == "BATCH" else str(notjson) if f == "NOTJSON" else f for f in flags]
+    proc = run_rank(tmp_path, *flags)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing written
