@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import deepspeed_module, read_metrics, run
 
-REPO = Path(__file__).resolve().parents[1]
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 COMMON = ["--synthetic-pairs", "48", "--global-batch-pairs", "12", "--max-length", "96", "--max-steps", "3",
           "--lr", "1e-3", "--dtype", "fp32", "--no-progress", "--overwrite"]
-_port = iter(range(29620, 29700))
 
 
 def launch(tmp_path: Path, name: str, procs: int, *flags: str) -> list[dict]:
     out = tmp_path / name
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    cmd = [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(next(_port)), "--module", "ds_packdpo.train",
-           "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"), *COMMON, *flags]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    run(deepspeed_module(procs, "ds_packdpo.train", "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"),
+                         *COMMON, *flags))
+    return read_metrics(out / "metrics.jsonl")
 
 
 @pytest.mark.multirank
@@ -65,12 +58,10 @@ def test_uneven_data_finishes_without_hang(tmp_path):
     assert all(r["rows_per_rank"] >= 1 for r in runs)
 
 
-def run_rank(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+def run_rank(tmp_path: Path, *flags: str):
     """One rank without a launcher: the checks of phase one run before any process group."""
-    cmd = [sys.executable, "-m", "ds_packdpo.train", "--output-dir", str(tmp_path / "out"),
-           "--cache-dir", str(tmp_path / "cache"), *flags]
-    return subprocess.run(cmd, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True,
-                          text=True, timeout=300)
+    return run([sys.executable, "-m", "ds_packdpo.train", "--output-dir", str(tmp_path / "out"),
+                "--cache-dir", str(tmp_path / "cache"), *flags], timeout=300, check=False)
 
 
 @pytest.mark.parametrize("flags, message", [
