@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from typing import Callable
@@ -37,7 +38,14 @@ def run_guarded(job: Callable[[], int]) -> int:
         raise
 
 
-def _launch_train(argv: list[str], num_procs: int | None, master_port: int) -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it), so two runs on one machine never collide."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch_train(argv: list[str], num_procs: int | None, master_port: int | None) -> int:
     """Re-runs this command under the deepspeed launcher (arguments passed as a list, never through a shell)."""
     import torch
 
@@ -46,7 +54,7 @@ def _launch_train(argv: list[str], num_procs: int | None, master_port: int) -> i
         env.setdefault("DS_ACCELERATOR", "cpu")
     procs = num_procs or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port),
+    cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port or free_port()),
            "--module", "ds_packdpo.train", *argv]
     return subprocess.call(cmd, env=env)
 
@@ -145,7 +153,7 @@ def cmd_train(argv: list[str]) -> int:
         return rank_main(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--num-procs", type=int, default=None)
-    pre.add_argument("--master-port", type=int, default=29500)
+    pre.add_argument("--master-port", type=int, default=None)
     launch, rest = pre.parse_known_args(argv)
     from .config import parse_train_args
 

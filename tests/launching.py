@@ -7,29 +7,35 @@ launch always shows the tail of its output.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+
+from ds_packdpo.cli import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DEEPSPEED = str(BIN / "deepspeed")
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# A small fp32 run: 48 synthetic pairs, 12 per optimizer step, 3 steps (~20-25 s on 2 ranks).
+SMALL_RUN = ["--synthetic-pairs", "48", "--global-batch-pairs", "12", "--max-length", "96", "--max-steps", "3",
+             "--lr", "1e-3", "--dtype", "fp32", "--no-progress", "--overwrite"]
 
 
 def cpu_env(**extra: str) -> dict:
-    """The environment of a CPU run of this checkout (its ds_packdpo first on the path)."""
+    """The environment of a CPU run of this checkout (its ds_packdpo first on the path, the venv's tools on PATH)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": path, **extra}
+    tools = os.pathsep.join(p for p in (str(BIN), os.environ.get("PATH")) if p)
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": path, "PATH": tools, **extra}
+
+
+def _failure(cmd: list[str], code: int, output: str) -> str:
+    return f"exit {code}: {' '.join(map(str, cmd))}\n{output[-6000:]}"
 
 
 def run(cmd: list[str], timeout: float = 600, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
@@ -37,8 +43,39 @@ def run(cmd: list[str], timeout: float = 600, check: bool = True, **kwargs) -> s
     kwargs.setdefault("env", cpu_env())
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, **kwargs)
     if check:
-        assert proc.returncode == 0, f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, _failure(cmd, proc.returncode, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_together(cmds: list[list[str]], timeout: float = 600) -> None:
+    """Runs the processes of one job at once (e.g. one launcher per simulated node) and waits for all.
+
+    The first failure, or the timeout, kills the others (their whole process groups, ranks included),
+    so a rank that waits for a dead peer never outlives the test.  Output goes to files: a full pipe
+    would stall a process that its peers wait for.
+    """
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in cmds]
+        procs = [subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True) for cmd, log in zip(cmds, logs)]
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+                assert time.monotonic() < deadline, f"timed out after {timeout} s: {cmds}"
+                time.sleep(0.5)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        for cmd, proc, log in zip(cmds, procs, logs):
+            log.seek(0)
+            assert proc.returncode == 0, _failure(cmd, proc.returncode, log.read())
+
+
+def launch_script(name: str, *args: str) -> list[str]:
+    """The command of one of the repository's launch scripts (``launch/NAME``)."""
+    return [str(REPO / "launch" / name), *map(str, args)]
 
 
 def deepspeed_module(procs: int, module: str, *args: str) -> list[str]:
