@@ -20,6 +20,8 @@ from .errors import InputError
 
 # Keys ds_packdpo owns: each must be "auto" (or the one value the run implies).
 _PINNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# DeepSpeed's monitor sections: the trainer reports through the policy engine's monitor only.
+_MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
 
 
 def launch_world_size() -> int:
@@ -102,6 +104,7 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
         "allgather_bucket_size": max(hidden_size * hidden_size, 1_000_000),
         "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
         "stage3_param_persistence_threshold": 10 * hidden_size,
+        "output_path": cfg.output_dir,  # monitors (csv, tensorboard) write under the run's folder
     }
     raw = copy.deepcopy(raw)
     if cfg.warmup_steps == 0 and raw.get("scheduler", {}).get("type") == "WarmupLR":
@@ -122,7 +125,8 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
 
 def reference_ds_config(policy_ds: dict, offload: bool) -> dict:
     """The frozen reference runs forward only: no optimizer, no scheduler, optional parameter offload."""
-    ref = {k: copy.deepcopy(v) for k, v in policy_ds.items() if k not in ("optimizer", "scheduler")}
+    # No monitor either: it would open a second writer (a second wandb run) that never gets an event.
+    ref = {k: copy.deepcopy(v) for k, v in policy_ds.items() if k not in ("optimizer", "scheduler", *_MONITOR_KEYS)}
     zero = ref.setdefault("zero_optimization", {"stage": 0})
     zero.pop("offload_optimizer", None)
     if offload:

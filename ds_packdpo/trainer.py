@@ -113,9 +113,22 @@ def prepare_run(cfg: TrainConfig) -> PreparedRun:
     return PreparedRun(cfg, attn, device_type, world_size, ds_config, tokenizer, prepared, plan_cfg, loss_cfg)
 
 
+# Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
+RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
 def init_process_group(cfg: TrainConfig) -> None:
     import deepspeed
+    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+    if not all(key in os.environ for key in RENDEZVOUS_ENV):
+        # DeepSpeed's MPI discovery (what init_distributed(auto_mpi_discovery=True) runs) sets MASTER_PORT to its
+        # argument, not to the environment's, and MASTER_ADDR to rank 0's first `hostname -I` address: run it
+        # here with the job's port, then put back an address the job gave (launch/mpirun.sh exports both).
+        master_addr = os.environ.get("MASTER_ADDR")
+        deepspeed.comm.mpi_discovery(int(os.environ.get("MASTER_PORT", TORCH_DISTRIBUTED_DEFAULT_PORT)), verbose=False)
+        if master_addr:
+            os.environ["MASTER_ADDR"] = master_addr
     # The timeout bounds every collective: a dead rank ends the others with an error instead of a hang.
     deepspeed.init_distributed(timeout=timedelta(seconds=cfg.collective_timeout_s), auto_mpi_discovery=True,
                                verbose=False)
@@ -227,10 +240,18 @@ class DPOTrainer:
         })
         return metrics
 
-    def write_monitor(self, metrics: dict, step: int) -> None:
+    def write_monitor(self, metrics: dict) -> None:
+        """Hands the step's figures to DeepSpeed's monitors (tensorboard, csv, wandb, comet) as ``Train/<name>``.
+
+        They are indexed like DeepSpeed's own events (its ``Train/Samples/lr``, written inside
+        ``engine.step()``): by the engine's ``global_samples``.  With the optimizer step as index
+        instead, wandb would drop every one of them (its steps must never go back); ``Train/step``
+        maps the index to the optimizer step.
+        """
         monitor = getattr(self.policy, "monitor", None)
         if monitor is not None and getattr(monitor, "enabled", False):
-            events = [(f"Train/{k}", v, step) for k, v in metrics.items()
+            index = self.policy.global_samples
+            events = [(f"Train/{k}", v, index) for k, v in metrics.items()
                       if isinstance(v, (int, float)) and math.isfinite(v)]
             monitor.write_events(events)
 
@@ -286,7 +307,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             if is_main:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()  # a crash loses at most the step in flight
-                trainer.write_monitor(record, global_step)
+                trainer.write_monitor(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
                 bar.update(1)

@@ -11,7 +11,7 @@
 set -euo pipefail
 
 if [[ -z "${MASTER_PORT:-}" ]]; then
-    MASTER_PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    MASTER_PORT=$(python -c 'from ds_packdpo.cli import free_port; print(free_port())')
 fi
 launcher_args=(--master_port "$MASTER_PORT")
 if [[ -n "${NUM_GPUS:-}" ]]; then

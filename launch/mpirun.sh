@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MPI: OpenMPI's mpirun starts every rank as `python -m ds_packdpo.train`; each rank finds its rank,
+# MPI: OpenMPI's mpirun starts every rank as `python -m mpi4py -m ds_packdpo.train`; each rank finds its rank,
 # world size and local rank with deepspeed.init_distributed(auto_mpi_discovery=True) (mpi4py).
 # `pip install -e '.[mpi]'` (mpi4py + openmpi) gives a working mpirun with no system MPI.
 #
@@ -52,7 +52,7 @@ else
     mpi_args+=(--oversubscribe)  # OpenMPI counts cores as slots; allow more ranks than cores (CPU runs)
     master_addr=${master_addr:-127.0.0.1}
     if [[ -z "$master_port" ]]; then
-        master_port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        master_port=$(python -c 'from ds_packdpo.cli import free_port; print(free_port())')
     fi
 fi
 if [[ "$(id -u)" == 0 ]]; then
@@ -72,4 +72,6 @@ for var in PYTHONPATH LD_LIBRARY_PATH DS_ACCELERATOR CUDA_VISIBLE_DEVICES HF_HOM
     fi
 done
 
-exec mpirun "${mpi_args[@]}" python -m ds_packdpo.train "$@"
+# `python -m mpi4py`: a rank that fails (exception or non-zero exit) aborts the whole job instead of leaving
+# its peers waiting in MPI_Finalize or a rendezvous.
+exec mpirun "${mpi_args[@]}" python -m mpi4py -m ds_packdpo.train "$@"
