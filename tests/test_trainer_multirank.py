@@ -7,16 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import deepspeed_module, read_metrics, run
-
-COMMON = ["--synthetic-pairs", "48", "--global-batch-pairs", "12", "--max-length", "96", "--max-steps", "3",
-          "--lr", "1e-3", "--dtype", "fp32", "--no-progress", "--overwrite"]
+from launching import SMALL_RUN, deepspeed_module, read_metrics, run
 
 
 def launch(tmp_path: Path, name: str, procs: int, *flags: str) -> list[dict]:
     out = tmp_path / name
     run(deepspeed_module(procs, "ds_packdpo.train", "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"),
-                         *COMMON, *flags))
+                         *SMALL_RUN, *flags))
     return read_metrics(out / "metrics.jsonl")
 
 

@@ -1,0 +1,249 @@
+"""The scripts of launch/: what each hands to its launcher, and real jobs started through them.
+
+Three real launches (slow start-up), each checking several things: a two-node job simulated
+on this machine (launch/multinode.sh, a hostfile of two 1-slot hosts, one launcher per node
+with --no_ssh), the same job under mpirun (launch/mpirun.sh), and one bf16 job through
+launch/local.sh with an offloaded reference and DeepSpeed's csv monitor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launching import REPO, SMALL_RUN, cpu_env, free_port, launch_script, read_metrics, run, run_together
+
+from ds_packdpo import cli
+from ds_packdpo.config import parse_train_args
+from ds_packdpo.engine import fill_ds_config, load_ds_config, reference_ds_config
+
+LN2 = math.log(2.0)
+COMPARED = ("loss", "grad_norm", "rewards/margins")
+# A user string that a shell would expand if any script evaluated it.
+HOSTILE = "$(touch pwned) `touch pwned` ; *"
+
+
+def train_flags(tmp: Path, out: Path, *extra: str) -> list[str]:
+    return ["--output-dir", str(out), "--cache-dir", str(tmp / "cache"), *SMALL_RUN, *extra]
+
+
+# ---------------------------------------------------------------- what the scripts hand to their launcher
+FAKE_TOOLS = {
+    # deepspeed and mpirun only print what they were handed
+    "deepspeed": "print(json.dumps({'argv': sys.argv[1:], 'MASTER_ADDR': os.environ.get('MASTER_ADDR'), "
+                 "'MASTER_PORT': os.environ.get('MASTER_PORT')}))",
+    "mpirun": "print(json.dumps({'argv': sys.argv[1:], 'MASTER_ADDR': os.environ.get('MASTER_ADDR'), "
+              "'MASTER_PORT': os.environ.get('MASTER_PORT')}))",
+    # Slurm: the node list is comma-separated host names; srun runs its command once per node, one after the other
+    "scontrol": "assert sys.argv[1:3] == ['show', 'hostnames']; print('\\n'.join(sys.argv[3].split(',')))",
+    "srun": "cmd = sys.argv[next(i for i, a in enumerate(sys.argv) if i and not a.startswith('--')):]\n"
+            "sys.exit(max(subprocess.call(cmd, env={**os.environ, 'SLURM_NODEID': str(i)})\n"
+            "             for i in range(int(os.environ['SLURM_NNODES']))))",
+}
+
+
+@pytest.fixture
+def fake_tools(tmp_path):
+    """A PATH with stand-ins for the launchers (see FAKE_TOOLS); returns a function running a launch script."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in FAKE_TOOLS.items():
+        tool = bin_dir / name
+        tool.write_text(f"#!{sys.executable}\nimport json, os, subprocess, sys\n{body}\n")
+        tool.chmod(0o755)
+
+    def call(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+        base = {k: v for k, v in cpu_env().items()
+                if k not in ("MASTER_ADDR", "MASTER_PORT", "NUM_GPUS", "HOSTFILE", "NODE_RANK", "NO_SSH", "NP")
+                and not k.startswith("SLURM_")}
+        base["PATH"] = f"{bin_dir}{os.pathsep}{base['PATH']}"
+        return subprocess.run(launch_script(script, *args), cwd=tmp_path, env={**base, **env}, capture_output=True,
+                              text=True, timeout=60)
+
+    return call
+
+
+def handed(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def assert_free_port(port: str) -> None:
+    assert port != "29500"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", int(port)))  # nobody holds it
+
+
+def test_scripts_pass_user_strings_unchanged(fake_tools, tmp_path):
+    user = ["--dataset", "my prefs.json", "--run-name", HOSTILE]
+    got = handed(fake_tools("local.sh", *user, NUM_GPUS="4"))["argv"]
+    port = got[got.index("--master_port") + 1]
+    assert got == ["--master_port", port, "--num_gpus", "4", "--module", "ds_packdpo.train", *user]
+    assert_free_port(port)
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
+    got = handed(fake_tools("multinode.sh", "--exclude", "node2:7", "--master_addr", "node1", "--", *user,
+                            HOSTFILE=str(hostfile)))["argv"]
+    assert got == ["--hostfile", str(hostfile), "--master_port", "29500", "--exclude", "node2:7", "--master_addr",
+                   "node1", "--module", "ds_packdpo.train", *user]
+    got = handed(fake_tools("multinode.sh", "--hostfile", str(hostfile), "--no_ssh", "--node_rank", "1",
+                            "--master_addr", "10.0.0.1", "--master_port", "29600", *user))["argv"]
+    assert got == ["--hostfile", str(hostfile), "--master_port", "29600", "--master_addr", "10.0.0.1",
+                   "--no_ssh", "--node_rank", "1", "--module", "ds_packdpo.train", *user]
+
+    mpi = handed(fake_tools("mpirun.sh", "-n", "2", "--", *user))
+    assert mpi["argv"][:4] == ["-n", "2", "--bind-to", "none"]
+    assert mpi["argv"][-len(user) - 5:] == ["python", "-m", "mpi4py", "-m", "ds_packdpo.train", *user]
+    assert ("--allow-run-as-root" in mpi["argv"]) == (os.getuid() == 0)
+    assert mpi["MASTER_ADDR"] == "127.0.0.1"  # one node: loopback, on a free port, both exported to the ranks
+    assert_free_port(mpi["MASTER_PORT"])
+    assert {"MASTER_ADDR", "MASTER_PORT", "PATH", "PYTHONPATH"} <= {
+        mpi["argv"][i + 1] for i, a in enumerate(mpi["argv"]) if a == "-x"}
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_slurm_job_runs_one_launcher_per_node(fake_tools, tmp_path):
+    user = ["--dataset", "my prefs.json", "--run-name", HOSTILE]
+    proc = fake_tools("slurm.sbatch", *user, SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_ID="123456", SLURM_NNODES="2",
+                      SLURM_JOB_NODELIST="gpu-a,gpu-b", SLURM_GPUS_ON_NODE="4", HOSTFILE=str(tmp_path / "hosts"))
+    assert proc.returncode == 0, proc.stderr
+    nodes = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert (tmp_path / "hosts").read_text() == "gpu-a slots=4\ngpu-b slots=4\n"
+    for rank, node in enumerate(nodes):
+        assert node["argv"] == ["--hostfile", str(tmp_path / "hosts"), "--master_port", "23456", "--master_addr",
+                                "gpu-a", "--no_ssh", "--node_rank", str(rank), "--module", "ds_packdpo.train", *user]
+    assert len(nodes) == 2 and not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("multinode.sh", ["--", "--max-steps", "1"], "--hostfile (or HOSTFILE) is required"),
+    ("multinode.sh", ["--hostfile", "HOSTS", "--no_ssh", "--master_addr", "n1"], "--no_ssh needs --node_rank"),
+    ("multinode.sh", ["--hostfile", "HOSTS", "--no_ssh", "--node_rank", "0"], "--no_ssh needs --master_addr"),
+    ("multinode.sh", ["--hostfile", "HOSTS", "--include", "n1", "--exclude", "n2"], "mutually exclusive"),
+    ("mpirun.sh", ["--hostfile", "/nonexistent/hosts"], "no such file"),
+])
+def test_scripts_refuse_incomplete_settings(fake_tools, tmp_path, script, args, message):
+    (tmp_path / "HOSTS").write_text("n1 slots=1\nn2 slots=1\n")
+    proc = fake_tools(script, *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.stdout == ""  # the launcher never started
+
+
+def test_train_outside_a_launcher_picks_a_free_port(monkeypatch):
+    """`ds-packdpo train` starts the deepspeed launcher itself: on a free port unless told one."""
+    commands = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, env: commands.append(cmd) or 0)
+    for key in cli.LAUNCHED_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert cli.main(["train", "--max-steps", "1"]) == 0
+    assert cli.main(["train", "--master-port", "29611", "--max-steps", "1"]) == 0
+    ports = [cmd[cmd.index("--master_port") + 1] for cmd in commands]
+    assert_free_port(ports[0])
+    assert ports[1] == "29611"
+
+
+def test_reference_config_offloads_parameters_and_has_no_monitor(tmp_path):
+    raw, source = load_ds_config("zero3")
+    raw["csv_monitor"] = {"enabled": True, "output_path": "auto", "job_name": "csv"}
+    cfg = parse_train_args(["--output-dir", str(tmp_path / "run"), "--dtype", "bf16", "--ref-offload"])
+    policy = fill_ds_config(raw, source, cfg, 2, 64, "cpu")
+    assert policy["csv_monitor"]["output_path"] == str(tmp_path / "run")  # "auto": under the run's folder
+    assert policy["bf16"] == {"enabled": True}
+    reference = reference_ds_config(policy, offload=True)
+    assert reference["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert not {"optimizer", "scheduler", "csv_monitor"} & set(reference)
+
+
+# ---------------------------------------------------------------- real jobs
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory) -> list[dict]:
+    """Two launcher processes, one per simulated node (both this machine), forming one world of 2."""
+    tmp = tmp_path_factory.mktemp("two_nodes")
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("# two 1-slot nodes; with --no_ssh the names only order the ranks\n"
+                        "localhost slots=1\n127.0.0.1 slots=1\n")
+    port = free_port()
+    out = tmp / "out"
+    run_together([launch_script("multinode.sh", "--hostfile", hostfile, "--no_ssh", "--node_rank", rank,
+                                "--master_addr", "127.0.0.1", "--master_port", port, "--", *train_flags(tmp, out))
+                  for rank in (0, 1)])
+    return read_metrics(out / "metrics.jsonl")
+
+
+def assert_world_of_two_learning(records: list[dict]) -> None:
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["pairs"] == 12
+        assert r["tokens"] == 2 * r["mean_rank_tokens"]  # the plan dealt the step's tokens to 2 ranks
+        assert all(math.isfinite(r[k]) for k in COMPARED) and r["grad_norm"] > 0
+    assert records[0]["loss"] == pytest.approx(LN2, abs=1e-6)  # policy == reference at step 1
+    assert records[0]["loss"] > records[1]["loss"] > records[2]["loss"]
+
+
+@pytest.mark.multirank
+def test_two_nodes_and_mpirun_train_identically(two_node_run, tmp_path):
+    out = tmp_path / "mpirun"
+    with socket.socket() as default_port:
+        # Hold DeepSpeed's default port: the ranks must meet on the one launch/mpirun.sh chose and exported.
+        with contextlib.suppress(OSError):  # someone else holds it already: the same test
+            default_port.bind(("", 29500))
+            default_port.listen()
+        run(launch_script("mpirun.sh", "-n", 2, "--", *train_flags(tmp_path, out)))
+    mpi_run = read_metrics(out / "metrics.jsonl")
+    assert_world_of_two_learning(two_node_run)
+    assert_world_of_two_learning(mpi_run)
+    for nodes, mpi in zip(two_node_run, mpi_run, strict=True):
+        assert nodes["tokens"] == mpi["tokens"]
+        for key in COMPARED:
+            assert mpi[key] == pytest.approx(nodes[key], rel=1e-6, abs=1e-9), (nodes["step"], key)
+
+
+@pytest.mark.multirank
+def test_bf16_offloaded_reference_and_monitors(two_node_run, tmp_path):
+    """One 2-rank bf16 job via launch/local.sh: ZeRO-3 reference offload, csv (and tensorboard) monitors."""
+    ds = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    ds["csv_monitor"] = {"enabled": True, "output_path": "auto", "job_name": "csv"}
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    if tensorboard:
+        ds["tensorboard"] = {"enabled": True, "output_path": "auto", "job_name": "tb"}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = tmp_path / "bf16"
+    run(launch_script("local.sh", *train_flags(tmp_path, out, "--dtype", "bf16", "--ref-offload",
+                                               "--ds-config", str(tmp_path / "ds.json"))),
+        env=cpu_env(NUM_GPUS="2"))
+    records = read_metrics(out / "metrics.jsonl")
+
+    # Trains: finite, loss falls; at step 1 the offloaded reference gives exactly the policy's log-probs.
+    assert_world_of_two_learning(records)
+    # Really bf16: near the fp32 trajectory of the same steps, but not equal to it.
+    for low, full in zip(records, two_node_run, strict=True):
+        assert low["tokens"] == full["tokens"]
+        assert low["loss"] == pytest.approx(full["loss"], rel=1e-2)
+        assert low["grad_norm"] == pytest.approx(full["grad_norm"], rel=5e-2)
+    assert records[0]["grad_norm"] != pytest.approx(two_node_run[0]["grad_norm"], rel=1e-5)
+
+    # DeepSpeed's csv monitor holds the per-step figures of metrics.jsonl (one file per figure), indexed like
+    # DeepSpeed's own lr event of the same optimizer step (one index for every event, as wandb needs).
+    def monitored(name: str) -> list[tuple[int, float]]:
+        with open(out / "csv" / f"{name.replace('/', '_')}.csv") as handle:
+            rows = list(csv.reader(handle))
+        assert rows[0] == ["step", name.split("/")[-1]]
+        return [(int(index), float(value)) for index, value in rows[1:]]
+
+    deepspeed_lr = monitored("Train/Samples/lr")
+    assert [step for _, step in monitored("Train/step")] == [r["step"] for r in records]
+    for key in ("loss", "grad_norm", "lr", "rewards/margins", "rewards/accuracies", "logps/chosen", "tokens"):
+        assert monitored(f"Train/{key}") == [(index, r[key]) for (index, _), r in zip(deepspeed_lr, records,
+                                                                                      strict=True)], key
+    if tensorboard:
+        assert list((out / "tb").glob("events.out.tfevents.*"))
