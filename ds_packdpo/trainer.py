@@ -244,9 +244,9 @@ class DPOTrainer:
         """Hands the step's figures to DeepSpeed's monitors (tensorboard, csv, wandb, comet) as ``Train/<name>``.
 
         They are indexed like DeepSpeed's own events (its ``Train/Samples/lr``, written inside
-        ``engine.step()``): by the engine's ``global_samples``.  With the optimizer step as index
-        instead, wandb would drop every one of them (its steps must never go back); ``Train/step``
-        maps the index to the optimizer step.
+        ``engine.step()``): by the engine's ``global_samples`` (here the world size times the optimizer
+        step).  With the optimizer step as index, behind DeepSpeed's on 2+ ranks, wandb would drop
+        every one of them (its steps must never go back).  ``Train/step`` maps the index to the step.
         """
         monitor = getattr(self.policy, "monitor", None)
         if monitor is not None and getattr(monitor, "enabled", False):
