@@ -39,12 +39,12 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
+[[ -z "$hostfile" || -f "$hostfile" ]] || die "hostfile $hostfile: no such file"
 if [[ -z "$np" ]]; then
     np=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
 mpi_args=(-n "$np" --bind-to none)  # ranks use many threads; OpenMPI would pin each to one core
 if [[ -n "$hostfile" ]]; then
-    [[ -f "$hostfile" ]] || die "hostfile $hostfile: no such file"
     mpi_args+=(--hostfile "$hostfile")
     master_port=${master_port:-29500}
 else
