@@ -147,8 +147,9 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, world_size: int, zero_
     save_dir = resolved_save_dir(cfg)
     if found is None:
         if holds_checkpoints(save_dir) and not cfg.overwrite:
-            raise InputError(f"--save-dir {save_dir}: holds checkpoints of an earlier run (pass --resume auto to "
-                             "continue it, or --overwrite to replace them)")
+            hint = ("holds no complete checkpoint to resume, only partial saves" if cfg.resume == "auto"
+                    else "holds checkpoints of an earlier run (pass --resume auto to continue it)")
+            raise InputError(f"--save-dir {save_dir}: {hint}; pass --overwrite to start afresh")
         return None
     tag_dir, state = found
     where = f"--resume {tag_dir}"
@@ -308,8 +309,6 @@ class Checkpointer:
         16-bit weights would give the module's copy, which in bf16 training is not
         the fp32 master.
         """
-        import torch.distributed as dist
-
         from .export import export_checkpoint
 
         if self.saved_step != global_step:
@@ -318,7 +317,7 @@ class Checkpointer:
             # a resumed run may replace the export of its own earlier attempt
             export_checkpoint(self.save_dir / tag_name(global_step), Path(self.cfg.output_dir) / "hf_model",
                               self.cfg.dtype, overwrite=self.cfg.overwrite or resumed)
-        dist.barrier()
+        # no barrier after it: the export may outlast --collective-timeout-s, and the other ranks have nothing left
 
 
 def trim_metrics(path: Path, global_step: int) -> int:

@@ -110,8 +110,11 @@ def check_output_dir(cfg: TrainConfig) -> None:
         from .checkpoint import resumes_in_place
 
         if not resumes_in_place(cfg):  # a resumed run continues in its own folder
+            if cfg.resume:
+                raise InputError(f"--output-dir {out}: folder is not empty and holds no checkpoint of this run to "
+                                 "resume; pass --overwrite to write into it")
             raise InputError(f"--output-dir {out}: folder is not empty (pass --overwrite to write into it, or "
-                             "--resume to continue the run saved there)")
+                             "--resume auto to continue the run saved there)")
 
 
 def prepare_run(cfg: TrainConfig, world_size: int | None = None) -> PreparedRun:
