@@ -324,8 +324,14 @@ def trim_metrics(path: Path, global_step: int) -> int:
     """On resume: keep the records of steps <= ``global_step`` (later ones were undone); returns how many were cut."""
     if not path.is_file():
         return 0
+    def kept_step(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= global_step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return False  # a line torn by the crash
+
     lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= global_step]
+    kept = [line for line in lines if kept_step(line)]
     if len(kept) < len(lines):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))

@@ -221,3 +221,13 @@ def test_prune_keeps_the_newest(tmp_path):
         (tmp_path / f"global_step{step}").mkdir()
     assert prune(tmp_path, 2, "global_step12") == ["global_step3", "global_step6"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step12", "global_step9"]
+
+
+def test_trim_metrics_drops_undone_and_torn_records(tmp_path):
+    from ds_packdpo.checkpoint import trim_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    assert trim_metrics(path, 3) == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert trim_metrics(tmp_path / "absent.jsonl", 3) == 0
