@@ -135,8 +135,10 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys):
          *flags(tmp_path, "killed", "--save-steps", "3", "--resume", "auto")])
     resumed = read_metrics(killed / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # the lost step 4 is redone, not duplicated
-    print("2 ranks, resumed vs uninterrupted, largest metric difference:", assert_same_steps(resumed, reference, range(4, 7)))
-    print(f"survivor exited {survivor_seconds:.1f} s after the killed node's launcher")
+    largest = assert_same_steps(resumed, reference, range(4, 7))
+    with capsys.disabled():
+        print(f"2 ranks, resumed vs uninterrupted, largest metric difference: {largest}; survivor exited "
+              f"{survivor_seconds:.1f} s after the killed node's launcher")
 
     # 4. export the step-3 checkpoint: its log-probs on step 4's pairs are those the engine logged at step 4
     #    (logps/* of a step are the policy's before that step's update)
@@ -148,10 +150,12 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(exported)
     assert model.dtype == torch.float32
     chosen, rejected = step_logps(model.eval(), tmp_path, 4, tokenizer)
-    print("exported step-3 model vs engine at step 4, logps/chosen and logps/rejected:",
-          chosen - reference[3]["logps/chosen"], rejected - reference[3]["logps/rejected"])
-    assert chosen == pytest.approx(reference[3]["logps/chosen"], rel=2e-6)
-    assert rejected == pytest.approx(reference[3]["logps/rejected"], rel=2e-6)
+    with capsys.disabled():
+        print("exported step-3 model vs engine at step 4, logps/chosen and logps/rejected:",
+              chosen - reference[3]["logps/chosen"], rejected - reference[3]["logps/rejected"])
+    # measured: 0.0 and 3e-5 on ~-330 (1e-7 relative; 2 ranks' packed rows vs one row here)
+    assert chosen == pytest.approx(reference[3]["logps/chosen"], rel=1e-6)
+    assert rejected == pytest.approx(reference[3]["logps/rejected"], rel=1e-6)
     # the folder is never overwritten without --overwrite
     assert cli.main(["export", "--checkpoint", str(straight / "checkpoints"), "--out", str(exported)]) == 2
     assert "folder is not empty" in capsys.readouterr().err
