@@ -31,10 +31,14 @@ def run_guarded(job: Callable[[], int]) -> int:
         return 2
     except RuntimeError as error:
         from .models import PackingNotExactError
+        from .trainer import RunAbortedError
 
         if isinstance(error, PackingNotExactError):
             print(f"error: {error}", file=sys.stderr)
             return 3
+        if isinstance(error, RunAbortedError):
+            print(f"error: {error}", file=sys.stderr)
+            return error.exit_code
         raise
 
 
@@ -45,14 +49,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch_train(argv: list[str], num_procs: int | None, master_port: int | None) -> int:
+def _launch_train(argv: list[str], procs: int, master_port: int | None) -> int:
     """Re-runs this command under the deepspeed launcher (arguments passed as a list, never through a shell)."""
     import torch
 
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
-    procs = num_procs or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port or free_port()),
            "--module", "ds_packdpo.train", *argv]
@@ -155,16 +158,57 @@ def cmd_train(argv: list[str]) -> int:
     pre.add_argument("--num-procs", type=int, default=None)
     pre.add_argument("--master-port", type=int, default=None)
     launch, rest = pre.parse_known_args(argv)
-    from .config import parse_train_args
-
-    # Validate the settings here too, so a typo fails before any rank starts (and --help prints the flags).
-    code = run_guarded(lambda: parse_train_args(rest) and 0)
+    procs = launch.num_procs or _default_procs()
+    # Phase one (settings, DeepSpeed config, output folder, data rows, resume point) runs here too, so bad input
+    # fails before any rank starts; its tokenization fills the cache the ranks then read.
+    code = run_guarded(lambda: _check_train(rest, procs))
     if code:
         return code
-    return _launch_train(rest, launch.num_procs, launch.master_port)
+    return _launch_train(rest, procs, launch.master_port)
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check}
+def _default_procs() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _check_train(argv: list[str], procs: int) -> int:
+    import torch
+
+    from .config import parse_train_args
+    from .trainer import prepare_run
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the launched ranks get it
+    if procs < 1:
+        raise InputError(f"--num-procs must be >= 1, got {procs}")
+    prepare_run(parse_train_args(argv), world_size=procs)
+    return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ds-packdpo export",
+                                     description="A training checkpoint as a Hugging Face folder (safetensors).")
+    parser.add_argument("--checkpoint", required=True, help="A checkpoint folder, or a --save-dir (its 'latest').")
+    parser.add_argument("--out", required=True, help="The Hugging Face folder to write.")
+    parser.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="Default: the training dtype.")
+    parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out folder.")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    args = parser.parse_args(argv)
+
+    def job() -> int:
+        from .export import export_checkpoint
+
+        print(json.dumps(export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite,
+                                           trust_remote_code=args.trust_remote_code)))
+        return 0
+
+    return run_guarded(job)
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check,
+            "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

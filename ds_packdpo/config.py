@@ -90,6 +90,15 @@ class TrainConfig:
     overwrite: bool = _opt("Allow writing into a non-empty output folder.", False)
     progress: bool = _opt("Show the progress bar on rank 0.", True)
     config: str | None = _opt("JSON file of settings (keys are flag names); flags given on the command line win.")
+    # --- checkpoints, resume, export, bad steps ---
+    save_steps: int | None = _opt("Save a checkpoint every N optimizer steps and at the end (DeepSpeed, ZeRO shards).")
+    save_dir: str | None = _opt("Checkpoint folder (default OUTPUT_DIR/checkpoints).")
+    save_total_limit: int | None = _opt("Keep only the newest K checkpoints.")
+    resume: str | None = _opt("'auto' (the latest complete checkpoint in --save-dir, or a fresh start when there is "
+                              "none) or a checkpoint folder; continues the run exactly.")
+    export_on_end: bool = _opt("At the end, write a Hugging Face folder (safetensors, config, tokenizer) to "
+                               "OUTPUT_DIR/hf_model, in --dtype.", False)
+    max_bad_steps: int = _opt("A step with a NaN/inf loss or gradient is skipped; abort after this many in a row.", 3)
 
     # ------------------------------------------------------------------
     @property
@@ -132,6 +141,16 @@ class TrainConfig:
             path = getattr(self, key)
             if path is not None and not Path(path).is_dir():
                 raise InputError(f"--{flag(key)} {path}: no such folder")
+        for key in ("save_steps", "save_total_limit"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise InputError(f"--{flag(key)} must be >= 1, got {value}")
+        if self.max_bad_steps < 1:
+            raise InputError(f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
+        if self.save_total_limit is not None and not self.save_steps:
+            raise InputError("--save-total-limit needs --save-steps (nothing is saved without it)")
+        if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():
+            raise InputError(f"--resume {self.resume}: no such checkpoint folder (or pass 'auto')")
         if self.model is None and self.ref_model is not None:
             raise InputError("--ref-model needs --model (a model built from a config is its own reference)")
 

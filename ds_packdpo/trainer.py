@@ -17,6 +17,7 @@ by hand because K changes from step to step.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -28,6 +29,32 @@ from .config import TrainConfig, to_dict
 from .errors import InputError
 
 STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens")
+logger = logging.getLogger("ds_packdpo")
+
+
+class RunAbortedError(RuntimeError):
+    """The run cannot go on; the message is one line for the user, the CLI exits with ``exit_code``."""
+
+    exit_code = 1
+
+
+class TooManyBadStepsError(RunAbortedError):
+    """--max-bad-steps consecutive steps had a non-finite loss or gradient."""
+
+    exit_code = 4
+
+
+class PeerFailureError(RunAbortedError):
+    """A collective failed: another rank died (its connection closed) or stalled past --collective-timeout-s."""
+
+    exit_code = 5
+
+
+def _is_collective_failure(error: RuntimeError) -> bool:
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(key in text for key in ("gloo", "NCCL", "c10d"))
 
 
 @dataclass
@@ -43,6 +70,7 @@ class PreparedRun:
     prepared: object
     plan_cfg: object
     loss_cfg: object
+    resume: object = None  # checkpoint.ResumePoint, or None for a fresh start
 
 
 def _tokenizer_and_rows(cfg: TrainConfig):
@@ -79,15 +107,23 @@ def check_output_dir(cfg: TrainConfig) -> None:
     if out.exists() and not out.is_dir():
         raise InputError(f"--output-dir {out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not cfg.overwrite:
-        raise InputError(f"--output-dir {out}: folder is not empty (pass --overwrite to write into it)")
+        from .checkpoint import resumes_in_place
+
+        if not resumes_in_place(cfg):  # a resumed run continues in its own folder
+            if cfg.resume:
+                raise InputError(f"--output-dir {out}: folder is not empty and holds no checkpoint of this run to "
+                                 "resume; pass --overwrite to write into it")
+            raise InputError(f"--output-dir {out}: folder is not empty (pass --overwrite to write into it, or "
+                             "--resume auto to continue the run saved there)")
 
 
-def prepare_run(cfg: TrainConfig) -> PreparedRun:
-    """Phase one: every check that needs no process group."""
+def prepare_run(cfg: TrainConfig, world_size: int | None = None) -> PreparedRun:
+    """Phase one: every check that needs no process group (``world_size``: the launch's, when not yet launched)."""
     from deepspeed.accelerator import get_accelerator
 
     from .attention import resolve_attn
-    from .engine import fill_ds_config, launch_world_size, load_ds_config, model_hidden_size
+    from .checkpoint import check_resume
+    from .engine import fill_ds_config, launch_world_size, load_ds_config, model_hidden_size, zero_stage
     from .losses import LossConfig
     from .packing import PlanConfig, validate_lengths
 
@@ -96,7 +132,7 @@ def prepare_run(cfg: TrainConfig) -> PreparedRun:
     loss_cfg = LossConfig(loss_type=cfg.loss, beta=cfg.beta, label_smoothing=cfg.label_smoothing,
                           simpo_gamma=cfg.simpo_gamma, rpo_alpha=cfg.rpo_alpha)
     loss_cfg.validate()
-    world_size = launch_world_size()
+    world_size = world_size or launch_world_size()
     raw_ds, ds_source = load_ds_config(cfg.ds_config)
     check_output_dir(cfg)
     tokenizer, rows = _tokenizer_and_rows(cfg)
@@ -110,7 +146,8 @@ def prepare_run(cfg: TrainConfig) -> PreparedRun:
         raise InputError(f"--dataset {cfg.dataset or 'synthetic'}: no pairs left after validation and truncation")
     validate_lengths(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg,
                      pair_ids=prepared.dataset["pair_id"])
-    return PreparedRun(cfg, attn, device_type, world_size, ds_config, tokenizer, prepared, plan_cfg, loss_cfg)
+    resume = check_resume(cfg, prepared.fingerprint, world_size, zero_stage(ds_config))
+    return PreparedRun(cfg, attn, device_type, world_size, ds_config, tokenizer, prepared, plan_cfg, loss_cfg, resume)
 
 
 # Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
@@ -195,8 +232,26 @@ class DPOTrainer:
         with torch.no_grad():
             return forward_logps(self.reference, batch, self.run.attn, self.cfg.logps_chunk_tokens)
 
-    def train_step(self, plan) -> dict:
-        """One optimizer step over this rank's rows; returns the metrics of the whole step (all ranks)."""
+    def _skip_if_any_rank_bad(self, loss, bad):
+        """Makes a step with a non-finite loss on any rank a step DeepSpeed skips, on every rank alike.
+
+        ZeRO's ``step()`` discards a step whose global gradient norm is inf/NaN (the
+        norm is all-reduced, so every rank decides the same; ``was_step_applied()``
+        then says False).  A loss can be non-finite while the gradients are not (a
+        reference log-prob of -inf), so the loss flag is all-reduced here and such a
+        step's gradient made NaN on every rank, which routes it into the same skip.
+        """
+        import torch.distributed as dist
+
+        flag = bad.float().reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return loss * float("nan") if flag.item() > 0 else loss
+
+    def train_step(self, plan, inject_nan: bool = False) -> dict:
+        """One optimizer step over this rank's rows; returns the metrics of the whole step (all ranks).
+
+        ``inject_nan`` (fault injection, tests only) makes every loss of the step NaN.
+        """
         import torch
         import torch.distributed as dist
 
@@ -205,6 +260,7 @@ class DPOTrainer:
 
         rows = plan.ranks[self.rank]
         sums: dict[str, torch.Tensor] = {}
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
         lr = self.policy.get_lr()[0] if self.policy.get_lr() else self.cfg.lr
         for i, row in enumerate(rows):
             batch = self._row_batch(row)
@@ -212,7 +268,12 @@ class DPOTrainer:
             self.policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
             pol = forward_logps(self.policy, batch, self.run.attn, self.cfg.logps_chunk_tokens)
             losses, per_pair = pair_losses(pol, ref, self.run.loss_cfg)
+            if inject_nan:
+                losses = losses * float("nan")
+            bad |= ~torch.isfinite(losses.detach()).all()
             loss = global_normalized_loss(losses, plan.num_pairs, self.dp_world_size)
+            if i == len(rows) - 1:
+                loss = self._skip_if_any_rank_bad(loss, bad)
             self.policy.backward(loss, scale_wrt_gas=False)
             self.policy.step()
             row_sums = metric_sums(per_pair, pol)
@@ -231,6 +292,7 @@ class DPOTrainer:
             "loss": totals["loss_sum"] / max(totals["pairs"], 1.0),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "lr": float(lr),
+            "skipped": not self.policy.was_step_applied(),
             "pairs": int(round(totals["pairs"])),
             "tokens": int(round(totals["real_tokens"])),
             "computed_tokens": int(round(totals["computed_tokens"])),
@@ -268,42 +330,62 @@ def train(cfg: TrainConfig) -> list[dict]:
     """The whole job on this rank; returns the per-step metrics (rank 0 also writes them)."""
     from tqdm.auto import tqdm
 
-    from .engine import build_engines
+    from . import faults
+    from .checkpoint import Checkpointer, ResumePoint, trim_metrics
+    from .engine import build_engines, zero_stage
     from .models import assert_packing_exact
     from .packing import iter_plan
 
     run = prepare_run(cfg)
+    resume = run.resume
     init_process_group(cfg)
     policy, reference = build_engines(cfg, run.ds_config, len(run.tokenizer), run.attn)
     trainer = DPOTrainer(run, policy, reference)
+    checkpointer = Checkpointer(cfg, run, trainer.rank, trainer.dp_world_size, zero_stage(run.ds_config))
+    if resume is not None:
+        checkpointer.restore(policy, resume)
     if not cfg.no_packing and not cfg.skip_packing_check:
         assert_packing_exact(policy, run.attn, len(run.tokenizer), trainer.pad_token_id, device=trainer.device)
 
     steps = total_steps(run)
+    start = resume or ResumePoint(None, epoch=0, epoch_step=0, global_step=0, bad_steps=0)
     is_main = trainer.rank == 0
     metrics_file = None
     if is_main:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.output_dir) / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
         (Path(cfg.output_dir) / "data_summary.json").write_text(json.dumps(run.prepared.summary, indent=2) + "\n")
-        Path(cfg.resolved_metrics_out).parent.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(cfg.resolved_metrics_out, "w")
-    bar = tqdm(total=steps, disable=not (is_main and cfg.progress), desc="dpo", unit="step", dynamic_ncols=True)
+        metrics_path = Path(cfg.resolved_metrics_out)
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        if resume is not None:
+            trim_metrics(metrics_path, start.global_step)  # records of steps the resume undoes
+        metrics_file = open(metrics_path, "a" if resume is not None else "w")
+    bar = tqdm(total=steps, initial=min(start.global_step, steps), disable=not (is_main and cfg.progress), desc="dpo",
+               unit="step", dynamic_ncols=True)
     history = []
     timer = StepTimer()
-    global_step = 0
+    global_step, bad_steps = start.global_step, start.bad_steps
+    position = (start.epoch, start.epoch_step)  # plan position of the next step
+    plans = iter_plan(run.prepared.chosen_lengths, run.prepared.rejected_lengths, run.plan_cfg, cfg.epochs,
+                      start_epoch=start.epoch, start_step=start.epoch_step)
     try:
-        for plan in iter_plan(run.prepared.chosen_lengths, run.prepared.rejected_lengths, run.plan_cfg, cfg.epochs):
+        for plan in plans:  # collectives here fail fast on a dead peer, after --collective-timeout-s on a stalled one
             if global_step >= steps:
                 break
+            faults.kill_point(trainer.rank, global_step + 1)
             timer.begin()
-            metrics = trainer.train_step(plan)
+            metrics = trainer.train_step(plan, inject_nan=faults.nan_step(global_step + 1))
             seconds = timer.seconds()
             global_step += 1
+            position = (plan.epoch, plan.step + 1)
+            bad_steps = bad_steps + 1 if metrics["skipped"] else 0
             record = {"step": global_step, "epoch": plan.epoch, "epoch_step": plan.step, **metrics,
                       "step_time_s": seconds, "tokens_per_s": metrics["tokens"] / seconds,
                       "pairs_per_s": metrics["pairs"] / seconds}
             history.append(record)
+            if is_main and metrics["skipped"]:
+                logger.warning(f"step {global_step} skipped: non-finite loss or gradient "
+                               f"({bad_steps} in a row, --max-bad-steps {cfg.max_bad_steps})")
             if is_main:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()  # a crash loses at most the step in flight
@@ -311,8 +393,24 @@ def train(cfg: TrainConfig) -> list[dict]:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
                 bar.update(1)
+            if bad_steps >= cfg.max_bad_steps:
+                raise TooManyBadStepsError(f"{bad_steps} consecutive steps (up to step {global_step}) had a non-finite "
+                                           f"loss or gradient (--max-bad-steps {cfg.max_bad_steps}); aborting")
+            if checkpointer.due(global_step, last=global_step >= steps):
+                checkpointer.save(policy, global_step, *position, bad_steps)
+        if cfg.export_on_end:
+            checkpointer.export_on_end(policy, global_step, position, bad_steps, resumed=resume is not None)
+    except RuntimeError as error:
+        if isinstance(error, RunAbortedError) or not _is_collective_failure(error):
+            raise
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise PeerFailureError(
+            f"rank {trainer.rank}: a collective failed after step {global_step}: another rank died or stalled longer "
+            f"than --collective-timeout-s {cfg.collective_timeout_s:g}; relaunch with --resume auto to continue from "
+            f"the last complete checkpoint ({first_line})") from error
     finally:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
     return history
+

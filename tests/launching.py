@@ -85,3 +85,27 @@ def deepspeed_module(procs: int, module: str, *args: str) -> list[str]:
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def rank_module(module: str, *args: str) -> list[str]:
+    """One rank without a launcher (world size 1): cheaper than ``deepspeed_module(1, ...)``."""
+    return [sys.executable, "-m", module, *args]
+
+
+def two_node_launch(workdir: Path, module: str, *args: str, env: dict) -> list[subprocess.Popen]:
+    """Two deepspeed launchers with one rank each, as two nodes of one job (``--no_ssh --node_rank``).
+
+    Unlike one launcher with two ranks (which terminates the others as soon as one
+    rank dies), each node only learns of a dead peer through the collectives.
+    Output of node N goes to ``workdir/nodeN.log``.
+    """
+    hostfile = workdir / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = str(free_port())
+    procs = []
+    for node in (0, 1):
+        cmd = [DEEPSPEED, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
+               "127.0.0.1", "--master_port", port, "--module", module, *args]
+        with open(workdir / f"node{node}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs

@@ -1,0 +1,339 @@
+"""Checkpoints: DeepSpeed shards plus the trainer's own state, committed atomically, and exact resume.
+
+Layout of ``--save-dir`` (default ``OUTPUT_DIR/checkpoints``)::
+
+    global_step{N}/                 one checkpoint ("tag")
+        *_model_states.pt, *_optim_states.pt   DeepSpeed's files; under ZeRO-3 every rank writes its shard
+        ds_packdpo_state.json       plan position, fingerprint, bad-step counter, world size (rank 0)
+        rng_rank{r}.pt              RNG states of rank r: plain tensors/ints, loads with weights_only=True
+        hf/                         model config + tokenizer (save_pretrained): export needs nothing else
+    latest                          tag of the newest *complete* checkpoint
+
+DeepSpeed writes the tag with ``save_latest=False``; after its closing barrier rank 0
+checks that every rank's files are there and only then replaces ``latest`` (temporary
+file + ``os.replace``).  A crash during a save therefore leaves ``latest`` on the
+previous complete checkpoint, and resuming never reads a partial one.
+
+The position and the fingerprint also travel in DeepSpeed's ``client_state``, but
+resume reads them from the JSON file: that needs no ``torch.load`` and happens in
+phase one, so an incompatible checkpoint fails before any process group starts.
+(DeepSpeed itself loads its ``.pt`` files with ``torch.load(weights_only=False)``
+in ``TorchCheckpointEngine.load`` and in ``zero_to_fp32``: only resume from
+checkpoints you trust.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import TrainConfig
+from .errors import InputError
+
+STATE_FILE = "ds_packdpo_state.json"
+HF_FOLDER = "hf"
+LATEST = "latest"
+TAG_PREFIX = "global_step"
+CLIENT_STATE_KEY = "ds_packdpo"
+STATE_VERSION = 1
+
+
+def tag_name(global_step: int) -> str:
+    return f"{TAG_PREFIX}{global_step}"
+
+
+def resolved_save_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.save_dir) if cfg.save_dir else Path(cfg.output_dir) / "checkpoints"
+
+
+def plan_fingerprint(cfg: TrainConfig, data_fingerprint: str) -> str:
+    """What decides which pairs make up step s: the data (content, tokenizer, truncation) and the plan settings.
+
+    World size, row budget and packing only change the layout of a step, never its pairs.
+    """
+    key = {"data": data_fingerprint, "seed": cfg.seed, "global_batch_pairs": cfg.batch_pairs,
+           "tokens_per_step": cfg.tokens_per_step, "drop_last": cfg.drop_last}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# ----------------------------------------------------------------------------- finding checkpoints
+def missing_files(tag_dir: Path, world_size: int, zero_stage: int) -> list[str]:
+    """What a complete checkpoint written by ``world_size`` ranks lacks (empty: complete)."""
+    missing = [name for name in (STATE_FILE, f"{HF_FOLDER}/config.json") if not (tag_dir / name).is_file()]
+    missing += [f"rng_rank{r}.pt" for r in range(world_size) if not (tag_dir / f"rng_rank{r}.pt").is_file()]
+    if not list(tag_dir.glob("*model_states.pt")):
+        missing.append("*_model_states.pt")
+    if zero_stage > 0:
+        for rank in range(world_size):
+            if not list(tag_dir.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")):
+                missing.append(f"the ZeRO optimizer shard of rank {rank}")
+    return missing
+
+
+def read_state(tag_dir: Path, where: str) -> dict:
+    try:
+        state = json.loads((tag_dir / STATE_FILE).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{where} {tag_dir}: not a ds_packdpo checkpoint (no {STATE_FILE})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{where} {tag_dir}: unreadable {STATE_FILE} ({exc})") from None
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise InputError(f"{where} {tag_dir}: {STATE_FILE} has an unknown layout (version {state.get('version')!r})")
+    return state
+
+
+def complete_tag_dir(tag_dir: Path, where: str) -> tuple[Path, dict]:
+    """(tag folder, its state) after checking that every rank's files are there."""
+    state = read_state(tag_dir, where)
+    missing = missing_files(tag_dir, state["world_size"], state["zero_stage"])
+    if missing:
+        raise InputError(f"{where} {tag_dir}: incomplete checkpoint (missing {', '.join(missing)})")
+    return tag_dir, state
+
+
+def resolve_checkpoint(path: str | Path, where: str) -> tuple[Path, dict]:
+    """A tag folder, or a save folder whose ``latest`` names one -> (complete tag folder, its state)."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return complete_tag_dir(path, where)
+    if (path / LATEST).is_file():
+        tag = (path / LATEST).read_text().strip()
+        return complete_tag_dir(path / tag, where)
+    if not path.exists():
+        raise InputError(f"{where} {path}: no such checkpoint folder")
+    raise InputError(f"{where} {path}: neither a checkpoint (no {STATE_FILE}) nor a save folder (no '{LATEST}' file)")
+
+
+def checkpoint_to_resume(cfg: TrainConfig) -> tuple[Path, dict] | None:
+    """The complete checkpoint ``--resume`` asks for; None to start fresh (no --resume, or auto and none yet)."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        save_dir = resolved_save_dir(cfg)
+        if not (save_dir / LATEST).is_file():
+            return None
+        return resolve_checkpoint(save_dir, "--resume auto: --save-dir")
+    return resolve_checkpoint(cfg.resume, "--resume")
+
+
+def resumes_in_place(cfg: TrainConfig) -> bool:
+    """True when --resume continues the run that lives in --output-dir (its own folder: no --overwrite needed)."""
+    found = checkpoint_to_resume(cfg)
+    return found is not None and Path(found[1]["output_dir"]).resolve() == Path(cfg.output_dir).resolve()
+
+
+def holds_checkpoints(save_dir: Path) -> bool:
+    return save_dir.is_dir() and ((save_dir / LATEST).exists() or any(save_dir.glob(f"{TAG_PREFIX}*")))
+
+
+@dataclass
+class ResumePoint:
+    tag_dir: Path
+    epoch: int          # plan position of the next step to run
+    epoch_step: int
+    global_step: int    # optimizer steps done
+    bad_steps: int      # consecutive skipped steps so far
+
+
+def check_resume(cfg: TrainConfig, data_fingerprint: str, world_size: int, zero_stage: int) -> ResumePoint | None:
+    """Phase one: the checkpoint to resume, checked against this run (data, plan, world size); None = fresh start."""
+    found = checkpoint_to_resume(cfg)
+    save_dir = resolved_save_dir(cfg)
+    if found is None:
+        if holds_checkpoints(save_dir) and not cfg.overwrite:
+            hint = ("holds no complete checkpoint to resume, only partial saves" if cfg.resume == "auto"
+                    else "holds checkpoints of an earlier run (pass --resume auto to continue it)")
+            raise InputError(f"--save-dir {save_dir}: {hint}; pass --overwrite to start afresh")
+        return None
+    tag_dir, state = found
+    where = f"--resume {tag_dir}"
+    if state["plan_fingerprint"] != plan_fingerprint(cfg, data_fingerprint):
+        raise InputError(f"{where}: the checkpoint was written for other data or plan settings (dataset, tokenizer, "
+                         "--max-length, --seed, --global-batch-pairs/--tokens-per-step, --drop-last differ); resume "
+                         "with the run's own settings")
+    if state["world_size"] != world_size:
+        raise InputError(f"{where}: written by {state['world_size']} ranks, this run has {world_size}; DeepSpeed "
+                         "ZeRO shards load only into the same number of ranks")
+    if state["zero_stage"] != zero_stage or state["dtype"] != cfg.dtype:
+        raise InputError(f"{where}: written with ZeRO stage {state['zero_stage']} and --dtype {state['dtype']}, this "
+                         f"run uses stage {zero_stage} and --dtype {cfg.dtype}")
+    position = state["position"]
+    return ResumePoint(tag_dir, position["epoch"], position["epoch_step"], position["global_step"],
+                       state["bad_steps"])
+
+
+# ----------------------------------------------------------------------------- RNG
+def rng_state() -> dict:
+    """Every RNG a step may draw from, as plain ints, lists and tensors (safe for weights_only=True)."""
+    import numpy as np
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, py_gauss = random.getstate()
+    state = {"python": [version, list(internal), py_gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)),
+                                                                     pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        state["accelerator"] = accel.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    version, internal, py_gauss = state["python"]
+    random.setstate((version, tuple(internal), py_gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "accelerator" in state:
+        get_accelerator().set_rng_state(state["accelerator"])
+
+
+# ----------------------------------------------------------------------------- saving
+def write_latest(save_dir: Path, tag: str) -> None:
+    """Points ``latest`` at ``tag`` atomically: a reader sees the old tag or the new one, never a torn file."""
+    tmp = save_dir / f".{LATEST}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(tag)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, save_dir / LATEST)
+
+
+def _tag_step(path: Path) -> int | None:
+    match = re.fullmatch(rf"{TAG_PREFIX}(\d+)", path.name)
+    return int(match.group(1)) if match and path.is_dir() else None
+
+
+def prune(save_dir: Path, keep: int, latest_tag: str) -> list[str]:
+    """Deletes the oldest tags beyond the newest ``keep`` (never ``latest``); returns the deleted names."""
+    tags = sorted((step, path) for path in save_dir.iterdir() if (step := _tag_step(path)) is not None)
+    doomed = [path for _, path in tags[:-keep]] if keep < len(tags) else []
+    for path in doomed:
+        if path.name != latest_tag:
+            shutil.rmtree(path)
+    return [p.name for p in doomed if p.name != latest_tag]
+
+
+class Checkpointer:
+    """Saves and restores the policy engine plus what the trainer needs to continue exactly."""
+
+    def __init__(self, cfg: TrainConfig, run, rank: int, world_size: int, zero_stage: int):
+        self.cfg = cfg
+        self.run = run
+        self.rank = rank
+        self.world_size = world_size
+        self.zero_stage = zero_stage
+        self.save_dir = resolved_save_dir(cfg)
+        self.fingerprint = plan_fingerprint(cfg, run.prepared.fingerprint)
+        self.saved_step: int | None = None  # global step of the newest checkpoint of this run (same on every rank)
+
+    def due(self, global_step: int, last: bool) -> bool:
+        every = self.cfg.save_steps
+        return bool(every) and (global_step % every == 0 or last)
+
+    def save(self, engine, global_step: int, next_epoch: int, next_epoch_step: int, bad_steps: int) -> Path:
+        """All ranks: write the tag, then rank 0 verifies it and moves ``latest`` (plus retention)."""
+        import torch
+        import torch.distributed as dist
+
+        tag = tag_name(global_step)
+        tag_dir = self.save_dir / tag
+        if self.rank == 0:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            latest = self.save_dir / LATEST
+            if latest.is_file() and latest.read_text().strip() == tag:
+                raise RuntimeError(f"checkpoint {tag_dir} exists already and is 'latest'; refusing to rewrite it")
+            if tag_dir.exists():
+                shutil.rmtree(tag_dir)  # a partial save of a crashed run, or a step undone by a resume
+            tag_dir.mkdir()
+        dist.barrier()
+        state = {
+            "version": STATE_VERSION,
+            "position": {"epoch": next_epoch, "epoch_step": next_epoch_step, "global_step": global_step},
+            "bad_steps": bad_steps,
+            "plan_fingerprint": self.fingerprint,
+            "data_fingerprint": self.run.prepared.fingerprint,
+            "world_size": self.world_size,
+            "zero_stage": self.zero_stage,
+            "dtype": self.cfg.dtype,
+            "output_dir": str(Path(self.cfg.output_dir).resolve()),
+        }
+        torch.save(rng_state(), tag_dir / f"rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            engine.module.config.save_pretrained(tag_dir / HF_FOLDER)
+            self.run.tokenizer.save_pretrained(tag_dir / HF_FOLDER)
+            (tag_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        engine.save_checkpoint(str(self.save_dir), tag=tag, client_state={CLIENT_STATE_KEY: state},
+                               save_latest=False)  # ends with a barrier: every rank's files are written
+        if self.rank == 0:
+            missing = missing_files(tag_dir, self.world_size, self.zero_stage)
+            if missing:
+                raise RuntimeError(f"checkpoint {tag_dir} is incomplete after saving (missing {', '.join(missing)}); "
+                                   f"'{LATEST}' still names the previous one")
+            write_latest(self.save_dir, tag)
+            if self.cfg.save_total_limit:
+                prune(self.save_dir, self.cfg.save_total_limit, tag)
+        self.saved_step = global_step
+        return tag_dir
+
+    def restore(self, engine, point: ResumePoint) -> None:
+        """Loads the DeepSpeed state (weights, optimizer, LR schedule, step counters) and this rank's RNG."""
+        import torch
+
+        load_path, client_state = engine.load_checkpoint(str(point.tag_dir.parent), tag=point.tag_dir.name,
+                                                         load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None or CLIENT_STATE_KEY not in (client_state or {}):
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {point.tag_dir}")
+        if client_state[CLIENT_STATE_KEY]["position"]["global_step"] != point.global_step:
+            raise RuntimeError(f"checkpoint {point.tag_dir}: DeepSpeed's client_state disagrees with {STATE_FILE}")
+        set_rng_state(torch.load(point.tag_dir / f"rng_rank{self.rank}.pt", weights_only=True))
+        self.saved_step = point.global_step
+
+    def export_on_end(self, engine, global_step: int, position: tuple[int, int], bad_steps: int, resumed: bool):
+        """--export-on-end: OUTPUT_DIR/hf_model from the final checkpoint's fp32 master weights, cast to --dtype.
+
+        Going through a checkpoint (saved here unless the last step was saved anyway)
+        reuses the offline export and is exact in any dtype; gathering the engine's
+        16-bit weights would give the module's copy, which in bf16 training is not
+        the fp32 master.
+        """
+        from .export import export_checkpoint
+
+        if self.saved_step != global_step:
+            self.save(engine, global_step, *position, bad_steps)
+        if self.rank == 0:
+            # a resumed run may replace the export of its own earlier attempt
+            export_checkpoint(self.save_dir / tag_name(global_step), Path(self.cfg.output_dir) / "hf_model",
+                              self.cfg.dtype, overwrite=self.cfg.overwrite or resumed)
+        # no barrier after it: the export may outlast --collective-timeout-s, and the other ranks have nothing left
+
+
+def trim_metrics(path: Path, global_step: int) -> int:
+    """On resume: keep the records of steps <= ``global_step`` (later ones were undone); returns how many were cut."""
+    if not path.is_file():
+        return 0
+    def kept_step(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= global_step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return False  # a line torn by the crash
+
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if kept_step(line)]
+    if len(kept) < len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)

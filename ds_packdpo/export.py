@@ -1,0 +1,72 @@
+"""Checkpoint -> Hugging Face folder (safetensors + config + tokenizer), with no process group.
+
+The ZeRO shards are gathered offline by DeepSpeed's own ``zero_to_fp32`` (the fp32
+master weights, exact whatever the training dtype), loaded into a model built from
+the config saved in the checkpoint, cast to the requested dtype and written with
+``save_pretrained`` (safetensors).  The folder is written next to its destination
+and renamed into place, so it is never half written, and an existing non-empty
+folder is only replaced with ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .checkpoint import HF_FOLDER, resolve_checkpoint
+from .errors import InputError
+
+DTYPES = ("fp32", "bf16")
+
+
+def check_export_target(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise InputError(f"--out {out}: folder is not empty (pass --overwrite to replace it)")
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False,
+                      trust_remote_code: bool = False) -> dict:
+    """Writes the model of ``checkpoint`` (a tag folder or a save folder with ``latest``) to ``out``."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out)
+    check_export_target(out, overwrite)
+    tag_dir, state = resolve_checkpoint(checkpoint, "--checkpoint")
+    dtype = dtype or state["dtype"]
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
+    if state["zero_stage"] == 0:
+        raise InputError(f"--checkpoint {tag_dir}: written without ZeRO; export reads ZeRO 1-3 checkpoints")
+    hf_dir = tag_dir / HF_FOLDER
+    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=trust_remote_code, local_files_only=True)
+    # DeepSpeed reads its shards with torch.load(weights_only=False): export only checkpoints you trust.
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.tie_weights()
+    model.to(torch_dtype)
+    model.config.dtype = torch_dtype
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        staging.mkdir()
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        if out.exists():
+            shutil.rmtree(out)  # empty, or --overwrite
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"checkpoint": str(tag_dir), "out": str(out), "dtype": dtype,
+            "parameters": sum(t.numel() for t in state_dict.values()),
+            "global_step": state["position"]["global_step"]}

@@ -1,0 +1,202 @@
+"""Bad input end to end, through the command line a user runs.
+
+Every malformed dataset and impossible configuration must end with one line
+``error: <where>: <why>``, exit code 2, no rank started and the output folder
+untouched (even with --overwrite).  Most cases run in-process through
+``ds_packdpo.cli.main(["train", ...])`` (the front command, with the launcher
+replaced by a tripwire); a representative few run as real subprocesses, through
+the front command and through the rank entry ``python -m ds_packdpo.train``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import write_rows
+from launching import BIN, rank_module, run
+from test_checkpoint import fake_checkpoint
+from test_data import BAD_ROWS, standard_rows, with_row
+
+from ds_packdpo import cli
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, demo_tokenizer) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    demo_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def out_dir(tmp_path) -> Path:
+    """An existing run folder with one file: a failing command must leave it exactly so."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("earlier results")
+    return out
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def base_flags(tmp_path: Path, out_dir: Path, tokenizer_dir: Path) -> list[str]:
+    return ["--output-dir", str(out_dir), "--overwrite", "--cache-dir", str(tmp_path / "cache"),
+            "--tokenizer", str(tokenizer_dir), "--max-length", "128", "--synthetic-pairs", "16", "--no-progress"]
+
+
+def assert_one_line_error(code: int, stderr: str, *parts: str) -> str:
+    assert code == 2, stderr[-2000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), last
+    for part in parts:
+        assert part in last, f"{part!r} not in {last!r}"
+    return last
+
+
+@pytest.fixture
+def train_front(tmp_path, out_dir, tokenizer_dir, monkeypatch, capsys):
+    """``ds-packdpo train FLAGS`` in-process; asserts the one-line error, exit 2 and an untouched output folder."""
+    def launch_tripwire(*args, **kwargs):
+        raise AssertionError("the launcher started although the input is bad")
+
+    monkeypatch.setattr(cli, "_launch_train", launch_tripwire)
+    for key in cli.LAUNCHED_ENV:
+        monkeypatch.delenv(key, raising=False)
+
+    def check(*flags: str, parts: tuple[str, ...]) -> str:
+        before = snapshot(out_dir)
+        code = cli.main(["train", *base_flags(tmp_path, out_dir, tokenizer_dir), *flags])
+        message = assert_one_line_error(code, capsys.readouterr().err, *parts)
+        assert snapshot(out_dir) == before
+        return message
+
+    return check
+
+
+# ----------------------------------------------------------------------------- malformed datasets
+@pytest.mark.parametrize("case", list(BAD_ROWS), ids=list(BAD_ROWS))
+def test_every_row_defect(case, tmp_path, train_front):
+    rows, index, bad, expected = BAD_ROWS[case]
+    path = write_rows(with_row(rows, index, bad), tmp_path, "json")
+    train_front("--dataset", str(path), parts=(f"{path} {expected}",))
+
+
+def _truncated(tmp_path: Path) -> Path:
+    text = json.dumps(standard_rows(5), indent=2)
+    path = tmp_path / "truncated.json"
+    path.write_text(text[: text.index('"bad answer 3"') + 5])
+    return path
+
+
+def _binary(tmp_path: Path, suffix: str) -> Path:
+    path = tmp_path / f"garbage{suffix}"
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+    return path
+
+
+BAD_FILES = {
+    "empty file": (lambda d: _written(d / "empty.json", ""), "the file is empty"),
+    "truncated JSON": (_truncated, "row 3: not valid JSON, truncated or malformed"),
+    "wrong column names": (lambda d: _written(d / "cols.json", json.dumps([{"question": "q", "answer": "a"}])),
+                           "columns found ['answer', 'question']; expected ['prompt', 'chosen', 'rejected']"),
+    "binary garbage json": (lambda d: _binary(d, ".json"), "binary content (NUL bytes), not a JSON text file"),
+    "binary garbage parquet": (lambda d: _binary(d, ".parquet"), "not a readable Parquet file"),
+    "missing file": (lambda d: d / "nowhere.jsonl", "no such file or folder"),
+}
+
+
+def _written(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES), ids=list(BAD_FILES))
+def test_bad_dataset_files(case, tmp_path, train_front):
+    make, expected = BAD_FILES[case]
+    path = make(tmp_path)
+    train_front("--dataset", str(path), parts=(str(path), expected))
+
+
+# ----------------------------------------------------------------------------- impossible configurations
+def _config_file(tmp_path: Path, settings: dict | str) -> str:
+    path = tmp_path / "settings.json"
+    path.write_text(settings if isinstance(settings, str) else json.dumps(settings))
+    return str(path)
+
+
+def _ds_config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    return str(path)
+
+
+def _incompatible_checkpoint(tmp_path: Path) -> str:
+    tag = fake_checkpoint(tmp_path / "ckpt" / "global_step3", 2, 2, plan_fingerprint="0" * 32, dtype="fp32",
+                          position={"epoch": 0, "epoch_step": 3, "global_step": 3}, bad_steps=0, output_dir="x")
+    return str(tag)
+
+
+BAD_CONFIGS = {
+    "unknown key": (lambda d: ["--config", _config_file(d, {"max_lenght": 64})], "unknown key 'max_lenght'"),
+    "wrong type": (lambda d: ["--config", _config_file(d, {"max_length": "long"})],
+                   "key 'max_length' must be int, got str 'long'"),
+    "config not JSON": (lambda d: ["--config", _config_file(d, "{max_length: 64")], "not valid JSON"),
+    "exclusive batch settings": (lambda d: ["--global-batch-pairs", "8", "--tokens-per-step", "4096"],
+                                 "--global-batch-pairs and --tokens-per-step are exclusive"),
+    "DeepSpeed batch contradicts": (
+        lambda d: ["--ds-config", _ds_config(d, json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))],
+        "'train_batch_size': 16 contradicts the run (2 data-parallel ranks"),
+    "DeepSpeed config not JSON": (lambda d: ["--ds-config", _ds_config(d, "{ not json")], "not valid JSON"),
+    "missing model folder": (lambda d: ["--model", str(d / "no_model")], "no_model: no such folder"),
+    "row budget below max length": (lambda d: ["--max-tokens-per-row", "64"], "--max-tokens-per-row"),
+    "resume from a missing checkpoint": (lambda d: ["--resume", str(d / "no_ckpt")], "no such checkpoint folder"),
+    "resume from an incompatible checkpoint": (lambda d: ["--resume", _incompatible_checkpoint(d)],
+                                               "global_step3: the checkpoint was written for other data or plan"),
+    "resume from a partial checkpoint": (
+        lambda d: ["--resume", str(fake_checkpoint(d / "ckpt" / "global_step6", 2, 1))],
+        "global_step6: incomplete checkpoint (missing rng_rank1.pt"),
+    "limit without saving": (lambda d: ["--save-total-limit", "2"], "--save-total-limit needs --save-steps"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS), ids=list(BAD_CONFIGS))
+def test_impossible_configurations(case, tmp_path, train_front):
+    make, expected = BAD_CONFIGS[case]
+    train_front(*make(tmp_path), parts=(expected,))
+
+
+def test_export_refuses_missing_checkpoint_and_full_folder(tmp_path, out_dir, capsys):
+    assert cli.main(["export", "--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "hf")]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, f"--checkpoint {tmp_path / 'none'}: no such checkpoint folder")
+    tag = fake_checkpoint(tmp_path / "ckpt" / "global_step3", 1, 1)
+    before = snapshot(out_dir)
+    assert cli.main(["export", "--checkpoint", str(tag), "--out", str(out_dir)]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, f"--out {out_dir}: folder is not empty")
+    assert snapshot(out_dir) == before
+    assert not (tmp_path / "hf").exists()
+
+
+# ----------------------------------------------------------------------------- real subprocesses
+@pytest.mark.parametrize("entry", ["front", "rank"])
+def test_real_command_lines(entry, tmp_path, out_dir, tokenizer_dir):
+    """The same failures from real processes: the front command starts no rank, the rank entry no process group."""
+    before = snapshot(out_dir)
+    flags = base_flags(tmp_path, out_dir, tokenizer_dir)
+    if entry == "front":
+        cases = [(["--dataset", str(_truncated(tmp_path))], "row 3: not valid JSON, truncated or malformed"),
+                 (["--resume", _incompatible_checkpoint(tmp_path)], "written for other data or plan settings")]
+        command = [str(BIN / "ds-packdpo"), "train"]
+    else:
+        cases = [(["--dataset", str(_binary(tmp_path, ".json"))], "binary content"),
+                 (["--config", _config_file(tmp_path, {"bogus": 1})], "unknown key 'bogus'")]
+        command = rank_module("ds_packdpo.train")
+    for extra, expected in cases:
+        proc = run([*command, *flags, *extra], timeout=300, check=False)
+        assert_one_line_error(proc.returncode, proc.stderr, expected)
+        assert "launch.py" not in proc.stderr and "init_distributed" not in proc.stderr
+    assert snapshot(out_dir) == before
