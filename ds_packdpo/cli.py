@@ -1,4 +1,4 @@
-"""``ds-packdpo``: train, prepare, pack-stats and check.
+"""``ds-packdpo``: train, prepare, pack-stats, check and precompute-ref.
 
 ``ds-packdpo train`` outside a launcher starts the deepspeed launcher itself
 (2 CPU ranks, or one per GPU), so the embedded default runs with one command;
@@ -37,8 +37,8 @@ def run_guarded(job: Callable[[], int]) -> int:
         raise
 
 
-def _launch_train(argv: list[str], num_procs: int | None, master_port: int) -> int:
-    """Re-runs this command under the deepspeed launcher (arguments passed as a list, never through a shell)."""
+def _launch_train(argv: list[str], num_procs: int | None, master_port: int, module: str = "ds_packdpo.train") -> int:
+    """Re-runs this command (``module``) under the deepspeed launcher (arguments as a list, never through a shell)."""
     import torch
 
     env = dict(os.environ)
@@ -47,7 +47,7 @@ def _launch_train(argv: list[str], num_procs: int | None, master_port: int) -> i
     procs = num_procs or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port),
-           "--module", "ds_packdpo.train", *argv]
+           "--module", module, *argv]
     return subprocess.call(cmd, env=env)
 
 
@@ -138,25 +138,43 @@ def cmd_check(argv: list[str]) -> int:
     return run_guarded(job)
 
 
-def cmd_train(argv: list[str]) -> int:
+def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list[str]], int],
+                         validate: Callable[[list[str]], object]) -> int:
+    """Under a launcher: one rank (``rank_main``).  Outside one: validate, then start the launcher on ``module``."""
     if any(os.environ.get(k) for k in LAUNCHED_ENV):
-        from .train import main as rank_main
-
         return rank_main(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--num-procs", type=int, default=None)
     pre.add_argument("--master-port", type=int, default=29500)
     launch, rest = pre.parse_known_args(argv)
-    from .config import parse_train_args
-
     # Validate the settings here too, so a typo fails before any rank starts (and --help prints the flags).
-    code = run_guarded(lambda: parse_train_args(rest) and 0)
+    code = run_guarded(lambda: validate(rest) and 0)
     if code:
         return code
-    return _launch_train(rest, launch.num_procs, launch.master_port)
+    return _launch_train(rest, launch.num_procs, launch.master_port, module)
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check}
+def cmd_train(argv: list[str]) -> int:
+    from .config import parse_train_args
+    from .train import main as rank_main
+
+    return _distributed_command(argv, "ds_packdpo.train", rank_main, parse_train_args)
+
+
+def cmd_precompute_ref(argv: list[str]) -> int:
+    from .precompute_ref import main as rank_main
+    from .precompute_ref import parse_args
+    from .reference import check_output_path
+
+    def validate(rest: list[str]):
+        cfg, out = parse_args(rest)
+        return check_output_path(out, cfg.overwrite)
+
+    return _distributed_command(argv, "ds_packdpo.precompute_ref", rank_main, validate)
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check,
+            "precompute-ref": cmd_precompute_ref}
 
 
 def main(argv: list[str] | None = None) -> int:

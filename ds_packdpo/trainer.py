@@ -173,14 +173,9 @@ class DPOTrainer:
         return collate(pairs, indices, self.pad_token_id).to(self.device)
 
     def _reference_logps(self, batch):
-        import torch
+        from .reference import reference_logps
 
-        from .logps import forward_logps
-
-        if self.reference is None:
-            return None
-        with torch.no_grad():
-            return forward_logps(self.reference, batch, self.run.attn, self.cfg.logps_chunk_tokens)
+        return reference_logps(self.reference, batch, self.run.attn, self.cfg.logps_chunk_tokens, self.cfg.logps_impl)
 
     def train_step(self, plan) -> dict:
         """One optimizer step over this rank's rows; returns the metrics of the whole step (all ranks)."""
@@ -197,7 +192,7 @@ class DPOTrainer:
             batch = self._row_batch(row)
             ref = self._reference_logps(batch)
             self.policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
-            pol = forward_logps(self.policy, batch, self.run.attn, self.cfg.logps_chunk_tokens)
+            pol = forward_logps(self.policy, batch, self.run.attn, self.cfg.logps_chunk_tokens, self.cfg.logps_impl)
             losses, per_pair = pair_losses(pol, ref, self.run.loss_cfg)
             loss = global_normalized_loss(losses, plan.num_pairs, self.dp_world_size)
             self.policy.backward(loss, scale_wrt_gas=False)
@@ -250,11 +245,13 @@ def train(cfg: TrainConfig) -> list[dict]:
     from .engine import build_engines
     from .models import assert_packing_exact
     from .packing import iter_plan
+    from .reference import load_precomputed_reference
 
     run = prepare_run(cfg)
+    precomputed = load_precomputed_reference(run)  # the --ref-logps file, checked before any process group
     init_process_group(cfg)
     policy, reference = build_engines(cfg, run.ds_config, len(run.tokenizer), run.attn)
-    trainer = DPOTrainer(run, policy, reference)
+    trainer = DPOTrainer(run, policy, precomputed or reference)
     if not cfg.no_packing and not cfg.skip_packing_check:
         assert_packing_exact(policy, run.attn, len(run.tokenizer), trainer.pad_token_id, device=trainer.device)
 
