@@ -81,7 +81,7 @@ class TrainConfig:
     label_smoothing: float = _opt("Conservative-DPO label smoothing.", 0.0)
     simpo_gamma: float = _opt("SimPO target margin.", 0.5)
     rpo_alpha: float = _opt("Weight of the NLL-per-chosen-token (RPO/SFT) term; 0 disables.", 0.0)
-    logps_chunk_tokens: int = _opt("Tokens per chunk of the log-prob computation.", 4096)
+    logps_chunk_tokens: int = _opt("Completion tokens per chunk of the log-prob computation (lean: the most logits held at once).", 1024)
     logps_impl: str = _opt("Log-probs from chunks of the final hidden states, never the whole [tokens x vocab] logits "
                            "(lean), or from the full logits (plain).", "lean", ("lean", "plain"))
     # --- DeepSpeed ---
