@@ -81,7 +81,8 @@ class TrainConfig:
     label_smoothing: float = _opt("Conservative-DPO label smoothing.", 0.0)
     simpo_gamma: float = _opt("SimPO target margin.", 0.5)
     rpo_alpha: float = _opt("Weight of the NLL-per-chosen-token (RPO/SFT) term; 0 disables.", 0.0)
-    logps_chunk_tokens: int = _opt("Completion tokens per chunk of the log-prob computation (lean: the most logits held at once).", 1024)
+    logps_chunk_tokens: int = _opt("Completion tokens per chunk of the log-prob computation (with lean log-probs: "
+                                   "the most tokens whose logits exist at once).", 1024)
     logps_impl: str = _opt("Log-probs from chunks of the final hidden states, never the whole [tokens x vocab] logits "
                            "(lean), or from the full logits (plain).", "lean", ("lean", "plain"))
     # --- DeepSpeed ---
@@ -143,7 +144,8 @@ class TrainConfig:
             if not Path(self.ref_logps).is_file():
                 raise InputError(f"--ref-logps {self.ref_logps}: no such file")
             if self.loss == "simpo" or self.ref_offload:
-                what = "--loss simpo is reference-free" if self.loss == "simpo" else "--ref-offload needs a reference model"
+                what = ("--loss simpo is reference-free" if self.loss == "simpo"
+                        else "--ref-offload needs a reference model")
                 raise InputError(f"--ref-logps {self.ref_logps}: {what}; drop one of them")
 
 

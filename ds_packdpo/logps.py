@@ -188,7 +188,7 @@ def _agreed_chunk_count(count: int, chunk_tokens: int, head: torch.nn.Linear, de
 
 
 class _LeanLabelLogProb(torch.autograd.Function):
-    """log_softmax(lm_head(hidden))[i, target_i] and the vocab-mean logit, chunk by chunk; logits recomputed in backward.
+    """log_softmax(lm_head(hidden))[i, target_i] and the vocab-mean logit, chunk by chunk, recomputed in backward.
 
     The lm_head is called as a module per chunk (as DeepSpeed's TiledFusedLogitsLoss
     does), so ZeRO-3's hooks gather its partitioned weight for each call.  Backward
