@@ -10,8 +10,11 @@ Peak memory: torch's CPU allocations are invisible to tracemalloc, so every
 measurement runs in a fresh subprocess and reports the process's peak resident set
 (``ru_maxrss``) minus its resident set just before the stage (inputs, weights and
 torch's own start-up already counted in the baseline).  Time: the median of
-``--runs`` stages inside the subprocess; the subprocesses of both variants
-alternate ``--repeats`` times, and the report gives the medians (the machine is shared).
+``--runs`` stages inside the subprocess, as wall time and as CPU time of the
+process (with one thread the CPU time does not count the time other processes
+hold the core, so it is the steadier figure on a shared machine); the
+subprocesses of both variants alternate ``--repeats`` times, and the report gives
+the medians.
 
     .venv/bin/python scripts/bench_logps.py --tokens 8192 --vocab 32000 --hidden 1024
 """
@@ -64,13 +67,15 @@ def child(args) -> dict:
     stage(*row(args.sequence_tokens))  # warm-up: torch's lazy initialisation is not part of the stage
     inputs = row(args.tokens)
     baseline = _rss_bytes()
-    seconds = []
+    seconds, cpu_seconds = [], []
     for _ in range(args.runs):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         stage(*inputs)
         seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"variant": args.variant, "peak_bytes": peak - baseline, "seconds": statistics.median(seconds),
+            "cpu_seconds": statistics.median(cpu_seconds),
             "threads": torch.get_num_threads()}
 
 
@@ -99,8 +104,10 @@ def main() -> None:
             results[variant].append(json.loads(out.strip().splitlines()[-1]))
     summary = {variant: {"peak_mib": statistics.median(r["peak_bytes"] for r in runs) / 2**20,
                          "seconds": statistics.median(r["seconds"] for r in runs),
+                         "cpu_seconds": statistics.median(r["cpu_seconds"] for r in runs),
                          "all_peak_mib": [round(r["peak_bytes"] / 2**20, 1) for r in runs],
-                         "all_seconds": [round(r["seconds"], 3) for r in runs]}
+                         "all_seconds": [round(r["seconds"], 3) for r in runs],
+                         "all_cpu_seconds": [round(r["cpu_seconds"], 3) for r in runs]}
                for variant, runs in results.items()}
     print(json.dumps({
         "setting": {k: v for k, v in vars(args).items() if k != "variant"},
@@ -108,6 +115,7 @@ def main() -> None:
         **summary,
         "memory_ratio_plain_over_lean": summary["plain"]["peak_mib"] / summary["lean"]["peak_mib"],
         "time_ratio_lean_over_plain": summary["lean"]["seconds"] / summary["plain"]["seconds"],
+        "cpu_time_ratio_lean_over_plain": summary["lean"]["cpu_seconds"] / summary["plain"]["cpu_seconds"],
     }, indent=2))
 
 
