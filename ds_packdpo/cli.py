@@ -1,4 +1,4 @@
-"""``ds-packdpo``: train, prepare, pack-stats and check.
+"""``ds-packdpo``: train, prepare, pack-stats, check and precompute-ref.
 
 ``ds-packdpo train`` outside a launcher starts the deepspeed launcher itself
 (2 CPU ranks, or one per GPU), so the embedded default runs with one command;
@@ -49,8 +49,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch_train(argv: list[str], procs: int, master_port: int | None) -> int:
-    """Re-runs this command under the deepspeed launcher (arguments passed as a list, never through a shell)."""
+def _launch(argv: list[str], procs: int, master_port: int | None, module: str) -> int:
+    """Re-runs this command (``module``) under the deepspeed launcher (arguments as a list, never through a shell)."""
     import torch
 
     env = dict(os.environ)
@@ -58,7 +58,7 @@ def _launch_train(argv: list[str], procs: int, master_port: int | None) -> int:
         env.setdefault("DS_ACCELERATOR", "cpu")
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port or free_port()),
-           "--module", "ds_packdpo.train", *argv]
+           "--module", module, *argv]
     return subprocess.call(cmd, env=env)
 
 
@@ -149,22 +149,28 @@ def cmd_check(argv: list[str]) -> int:
     return run_guarded(job)
 
 
-def cmd_train(argv: list[str]) -> int:
+def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list[str]], int],
+                         validate: Callable[[list[str], int], object]) -> int:
+    """Under a launcher: one rank (``rank_main``).  Outside one: validate, then start the launcher on ``module``."""
     if any(os.environ.get(k) for k in LAUNCHED_ENV):
-        from .train import main as rank_main
-
         return rank_main(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--num-procs", type=int, default=None)
     pre.add_argument("--master-port", type=int, default=None)
     launch, rest = pre.parse_known_args(argv)
     procs = launch.num_procs or _default_procs()
-    # Phase one (settings, DeepSpeed config, output folder, data rows, resume point) runs here too, so bad input
-    # fails before any rank starts; its tokenization fills the cache the ranks then read.
-    code = run_guarded(lambda: _check_train(rest, procs))
+
+    def check() -> int:
+        """Phase one runs here too, so bad input fails before any rank starts."""
+        if procs < 1:
+            raise InputError(f"--num-procs must be >= 1, got {procs}")
+        validate(rest, procs)
+        return 0
+
+    code = run_guarded(check)
     if code:
         return code
-    return _launch_train(rest, procs, launch.master_port)
+    return _launch(rest, procs, launch.master_port, module)
 
 
 def _default_procs() -> int:
@@ -173,18 +179,39 @@ def _default_procs() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def _check_train(argv: list[str], procs: int) -> int:
+def _cpu_unless_cuda() -> None:
     import torch
-
-    from .config import parse_train_args
-    from .trainer import prepare_run
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the launched ranks get it
-    if procs < 1:
-        raise InputError(f"--num-procs must be >= 1, got {procs}")
+
+
+def _check_train(argv: list[str], procs: int) -> None:
+    """Train's phase one (settings, DeepSpeed config, output folder, data rows, resume point); its tokenization
+    fills the cache the ranks then read."""
+    from .config import parse_train_args
+    from .trainer import prepare_run
+
+    _cpu_unless_cuda()
     prepare_run(parse_train_args(argv), world_size=procs)
-    return 0
+
+
+def cmd_train(argv: list[str]) -> int:
+    from .train import main as rank_main
+
+    return _distributed_command(argv, "ds_packdpo.train", rank_main, _check_train)
+
+
+def cmd_precompute_ref(argv: list[str]) -> int:
+    from .precompute_ref import main as rank_main
+    from .precompute_ref import parse_args
+    from .reference import check_output_path
+
+    def validate(rest: list[str], procs: int):
+        cfg, out = parse_args(rest)
+        return check_output_path(out, cfg.overwrite)
+
+    return _distributed_command(argv, "ds_packdpo.precompute_ref", rank_main, validate)
 
 
 def cmd_export(argv: list[str]) -> int:
@@ -208,7 +235,7 @@ def cmd_export(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check,
-            "export": cmd_export}
+            "precompute-ref": cmd_precompute_ref, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

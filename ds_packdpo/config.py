@@ -36,6 +36,9 @@ class TrainConfig:
         "Default 'tiny' when neither --model nor --model-config is given."
     )
     ref_model: str | None = _opt("Separate HF folder for the frozen reference model.")
+    # --- precomputed reference (ds-packdpo precompute-ref) ---
+    ref_logps: str | None = _opt("Reference log-probs precomputed by 'ds-packdpo precompute-ref' (a .jsonl/.parquet "
+                                 "file): train with no reference model at all.")
     tokenizer: str | None = _opt("HF tokenizer folder. Default: --model, or a local BPE built for the embedded dataset.")
     dtype: str = _opt("Training precision.", "fp32", DTYPES)
     attn: str = _opt("Attention backend: auto, sdpa, eager, flex_attention, flash_attention_2, flash_attention_3.", "auto")
@@ -78,7 +81,10 @@ class TrainConfig:
     label_smoothing: float = _opt("Conservative-DPO label smoothing.", 0.0)
     simpo_gamma: float = _opt("SimPO target margin.", 0.5)
     rpo_alpha: float = _opt("Weight of the NLL-per-chosen-token (RPO/SFT) term; 0 disables.", 0.0)
-    logps_chunk_tokens: int = _opt("Tokens per chunk of the log-prob computation.", 4096)
+    logps_chunk_tokens: int = _opt("Completion tokens per chunk of the log-prob computation (with lean log-probs: "
+                                   "the most tokens whose logits exist at once).", 1024)
+    logps_impl: str = _opt("Log-probs from chunks of the final hidden states, never the whole [tokens x vocab] logits "
+                           "(lean), or from the full logits (plain).", "lean", ("lean", "plain"))
     # --- DeepSpeed ---
     ds_config: str = _opt("DeepSpeed config: a name in ds_configs/ (zero3, zero3_offload, zero2) or a JSON path.", "zero3")
     ref_offload: bool = _opt("Offload the reference parameters to CPU (ZeRO-3).", False)
@@ -153,6 +159,13 @@ class TrainConfig:
             raise InputError(f"--resume {self.resume}: no such checkpoint folder (or pass 'auto')")
         if self.model is None and self.ref_model is not None:
             raise InputError("--ref-model needs --model (a model built from a config is its own reference)")
+        if self.ref_logps is not None:
+            if not Path(self.ref_logps).is_file():
+                raise InputError(f"--ref-logps {self.ref_logps}: no such file")
+            if self.loss == "simpo" or self.ref_offload:
+                what = ("--loss simpo is reference-free" if self.loss == "simpo"
+                        else "--ref-offload needs a reference model")
+                raise InputError(f"--ref-logps {self.ref_logps}: {what}; drop one of them")
 
 
 def flag(name: str) -> str:

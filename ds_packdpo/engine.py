@@ -156,16 +156,22 @@ def _build(cfg: TrainConfig, ds_config: dict, model_path: str | None, vocab_size
 
 
 def build_engines(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str):
-    """Returns (policy engine, reference model or engine); the reference is None for SimPO."""
+    """Returns (policy engine, reference model or engine); no reference for SimPO or with --ref-logps."""
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
     policy_model, keep_alive = _build(cfg, ds_config, cfg.model, vocab_size, attn)
     params = [p for p in policy_model.parameters() if p.requires_grad]
     policy, _, _, _ = deepspeed.initialize(model=policy_model, model_parameters=params, config=ds_config)
     del keep_alive
-    if cfg.loss == "simpo":
+    if cfg.loss == "simpo" or cfg.ref_logps is not None:
         return policy, None
+    return policy, build_reference(cfg, ds_config, vocab_size, attn)
+
+
+def build_reference(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str):
+    """The frozen reference (``--ref-model`` or the policy's own weights): a ZeRO-3 engine, or a plain module."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     ref_ds = reference_ds_config(ds_config, cfg.ref_offload)
     ref_model, keep_alive = _build(cfg, ref_ds, cfg.ref_model or cfg.model, vocab_size, attn)
@@ -178,7 +184,7 @@ def build_engines(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str)
         # ZeRO 0-2 shard only optimizer state and gradients; a frozen model has neither, so it stays whole.
         reference = ref_model.to(get_accelerator().current_device_name())
     del keep_alive
-    return policy, reference
+    return reference
 
 
 def model_hidden_size(cfg: TrainConfig, vocab_size: int) -> int:

@@ -1,12 +1,18 @@
 """Per-sequence completion log-probs out of one (packed or padded) forward.
 
-The logits of a packed row are ``[T, V]`` with T up to the row budget and V up to
-~150k: an fp32 ``log_softmax`` beside them (and its saved copy for backward) would
-cost more memory than the model.  So the log-prob of each completion token is
-computed as ``logit[label] - logsumexp(logits)`` over chunks of ``chunk_tokens``
-rows, and a hand-written autograd function recomputes the softmax chunk by chunk
-in backward instead of keeping it (torch has no fused "log-prob at label" op; a
-``checkpoint`` per chunk would allocate a full ``[T, V]`` gradient per chunk).
+Two implementations, one result:
+
+* ``plain``: the model's full logits ``[T, V]``, then the log-prob of each
+  completion token as ``logit[label] - logsumexp(logits)`` over chunks of rows
+  (:class:`_LabelLogProb`).  The logits and their gradient are whole ``[T, V]``
+  tensors: 8 GB each for 16k tokens at a 128k vocabulary in fp32.
+* ``lean`` (default): the model runs without logits (``logits_to_keep`` selects no
+  position) and returns its final hidden states; :class:`_LeanLabelLogProb` applies
+  the lm_head to the completion positions only, a chunk at a time, keeps one
+  logsumexp per token, and recomputes each chunk's logits in backward.  At most one
+  chunk of logits and its gradient exist at any time; the price is one extra
+  lm_head matmul (the recomputation).
+
 Token log-probs are then summed per sequence with one ``index_add`` over the
 sequence index - no loop over sequences.
 """
@@ -14,16 +20,20 @@ sequence index - no loop over sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import inspect
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from .attention import model_forward_kwargs
 
 if TYPE_CHECKING:
     from .collate import ModelBatch
 
-__all__ = ["SequenceLogps", "sequence_logps", "model_forward_kwargs", "forward_logps", "completion_token_logps"]
+__all__ = ["SequenceLogps", "sequence_logps", "model_forward_kwargs", "forward_logps", "completion_token_logps",
+           "lean_token_logps", "lean_lm_head", "LOGPS_IMPLS"]
 
 
 @dataclass
@@ -113,12 +123,9 @@ def completion_token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tok
     return rows, token_logps, mean_logit
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.Tensor, num_sequences: int,
-                   chunk_tokens: int = 4096) -> SequenceLogps:
-    """Per-sequence sums of completion-token log-probs; ``logits`` [N, L, V], labels/seq_index [N, L]."""
-    rows, token_logps, mean_logit = completion_token_logps(logits, labels, chunk_tokens)
+def _per_sequence(rows, token_logps, mean_logit, seq_index, num_sequences: int) -> SequenceLogps:
     seq = seq_index.reshape(-1)[rows]
-    zeros = torch.zeros(num_sequences, dtype=torch.float32, device=logits.device)
+    zeros = torch.zeros(num_sequences, dtype=torch.float32, device=token_logps.device)
     return SequenceLogps(
         logps=zeros.index_add(0, seq, token_logps),
         tokens=zeros.index_add(0, seq, torch.ones_like(token_logps)),
@@ -126,7 +133,152 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.
     )
 
 
-def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096) -> SequenceLogps:
-    """One forward of ``model`` (an nn.Module or a DeepSpeed engine) on ``batch``, reduced per sequence."""
-    output = model(**model_forward_kwargs(batch, attn))
-    return sequence_logps(output.logits, batch.labels, batch.seq_index, batch.num_sequences, chunk_tokens)
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.Tensor, num_sequences: int,
+                   chunk_tokens: int = 4096) -> SequenceLogps:
+    """Per-sequence sums of completion-token log-probs; ``logits`` [N, L, V], labels/seq_index [N, L]."""
+    rows, token_logps, mean_logit = completion_token_logps(logits, labels, chunk_tokens)
+    return _per_sequence(rows, token_logps, mean_logit, seq_index, num_sequences)
+
+
+# ----------------------------------------------------------------------------- lean: no [T, V] logits
+LOGPS_IMPLS = ("lean", "plain")
+# Config keys of architectures whose forward rescales or caps the lm_head output (Gemma 2/3, Cohere, Granite):
+# the lean path applies the lm_head itself and would skip that, so those models take the plain path.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _unwrap(model) -> torch.nn.Module:
+    """The HF model itself, also behind a DeepSpeed engine (which keeps it in ``.module``)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def lean_lm_head(model) -> torch.nn.Linear | None:
+    """The lm_head when the lean path computes exactly the model's logits, else None (take the plain path)."""
+    lm = _unwrap(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear) or "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+        return None
+    config = getattr(lm, "config", None)
+    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in _LOGIT_POSTPROCESSING):
+        return None
+    return head
+
+
+def _is_tied(model, head: torch.nn.Linear) -> bool:
+    lm = _unwrap(model)
+    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    return embeddings is not None and getattr(embeddings, "weight", None) is head.weight
+
+
+def _agreed_chunk_count(count: int, chunk_tokens: int, head: torch.nn.Linear, device) -> int:
+    """Chunks of this forward; under ZeRO-3 the maximum over ranks.
+
+    ZeRO-3 gathers the partitioned lm_head weight in every call of the module (a
+    collective), so every rank must call it equally often, whatever its own token
+    count (DeepSpeed's TiledMLP agrees on its shard count the same way).  At least
+    one call, so that the weight gets a (zero) gradient on a rank with no tokens.
+    """
+    chunks = max(1, -(-count // chunk_tokens))
+    if hasattr(head.weight, "ds_id") and dist.is_available() and dist.is_initialized():
+        agreed = torch.tensor(chunks, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        chunks = int(agreed)
+    return chunks
+
+
+class _LeanLabelLogProb(torch.autograd.Function):
+    """log_softmax(lm_head(hidden))[i, target_i] and the vocab-mean logit, chunk by chunk, recomputed in backward.
+
+    The lm_head is called as a module per chunk (as DeepSpeed's TiledFusedLogitsLoss
+    does), so ZeRO-3's hooks gather its partitioned weight for each call.  Backward
+    runs, per chunk, a nested backward through the module: the hidden-state gradient
+    comes back here, the weight gradient goes where DeepSpeed's hooks expect it.
+    ``ds_grad_is_ready`` holds DeepSpeed's reduction of the weight gradient until the
+    last chunk - or, for a weight tied to the input embeddings, until the embedding's
+    own gradient joins it in the outer backward.  Saved for backward: the selected
+    hidden states and one logsumexp per token.  Because the weight gradient is
+    accumulated into ``.grad`` directly, use ``.backward()``, not ``torch.autograd.grad``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, targets, head, spans, tied):
+        count = hidden.shape[0]
+        token_logps = hidden.new_empty(count, dtype=torch.float32)
+        logsumexp = hidden.new_empty(count, dtype=torch.float32)
+        mean_logit = hidden.new_empty(count, dtype=torch.float32)
+        with torch.no_grad():
+            for span in spans:
+                logits = head(hidden[span]).float()
+                logsumexp[span] = torch.logsumexp(logits, dim=-1)
+                token_logps[span] = logits.gather(1, targets[span, None]).squeeze(1) - logsumexp[span]
+                mean_logit[span] = logits.mean(dim=-1)
+        ctx.save_for_backward(hidden, targets, logsumexp)
+        ctx.head, ctx.spans, ctx.tied = head, spans, tied
+        ctx.mark_non_differentiable(mean_logit)
+        return token_logps, mean_logit
+
+    @staticmethod
+    def backward(ctx, grad_token_logps, _grad_mean_logit):
+        hidden, targets, logsumexp = ctx.saved_tensors
+        weights = [p for p in ctx.head.parameters() if p.requires_grad]
+        grad_hidden = torch.zeros_like(hidden)
+        grad_token_logps = grad_token_logps.float()
+        for i, span in enumerate(ctx.spans):
+            ready = i == len(ctx.spans) - 1 and not ctx.tied
+            for weight in weights:
+                weight.ds_grad_is_ready = ready
+            chunk = hidden[span].detach().requires_grad_()
+            with torch.enable_grad():
+                logits = ctx.head(chunk)
+            g = grad_token_logps[span, None]
+            grad_logits = (logits.detach().float() - logsumexp[span, None]).exp_().mul_(-g)
+            grad_logits.scatter_add_(1, targets[span, None], g)
+            torch.autograd.backward(logits, grad_logits.to(logits.dtype))
+            grad_hidden[span] = chunk.grad
+        for weight in weights:
+            weight.ds_grad_is_ready = True
+        return grad_hidden, None, None, None, None
+
+
+def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk_tokens: int = 4096,
+                     tied: bool = False):
+    """Like :func:`completion_token_logps`, from final hidden states ``[N, L, H]`` and the lm_head."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    flat_labels = labels.reshape(-1)
+    rows = (flat_labels != -100).nonzero().squeeze(1)
+    selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    if torch.is_grad_enabled() and not selected.requires_grad and any(p.requires_grad for p in head.parameters()):
+        selected = selected.detach().requires_grad_()  # so that backward reaches the lm_head weight (frozen backbone)
+    chunks = _agreed_chunk_count(rows.numel(), chunk_tokens, head, hidden.device)
+    spans = [slice(i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(chunks)]
+    token_logps, mean_logit = _LeanLabelLogProb.apply(selected, flat_labels[rows], head, spans, tied)
+    return rows, token_logps, mean_logit
+
+
+def _final_hidden_states(model, batch: ModelBatch, attn: str) -> torch.Tensor:
+    """The hidden states after the final norm, with the model's lm_head applied to no position at all."""
+    no_position = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
+    output = model(**model_forward_kwargs(batch, attn), logits_to_keep=no_position, output_hidden_states=-1)
+    return output.hidden_states[-1]
+
+
+def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096, impl: str = "lean") -> SequenceLogps:
+    """One forward of ``model`` (an nn.Module or a DeepSpeed engine) on ``batch``, reduced per sequence.
+
+    ``impl="lean"`` never holds the ``[T, V]`` logits; a model whose logits are not
+    just its lm_head's output falls back to ``plain`` with a warning.
+    """
+    if impl not in LOGPS_IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(LOGPS_IMPLS)}, got {impl!r}")
+    head = lean_lm_head(model) if impl == "lean" else None
+    if impl == "lean" and head is None:
+        warnings.warn("lean log-probs: this model post-processes its logits or has no linear lm_head; "
+                      "computing full logits instead", stacklevel=2)
+    if head is None:
+        output = model(**model_forward_kwargs(batch, attn))
+        return sequence_logps(output.logits, batch.labels, batch.seq_index, batch.num_sequences, chunk_tokens)
+    hidden = _final_hidden_states(model, batch, attn)
+    rows, token_logps, mean_logit = lean_token_logps(hidden, batch.labels, head, chunk_tokens, _is_tied(model, head))
+    return _per_sequence(rows, token_logps, mean_logit, batch.seq_index, batch.num_sequences)

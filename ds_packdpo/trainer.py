@@ -223,14 +223,9 @@ class DPOTrainer:
         return collate(pairs, indices, self.pad_token_id).to(self.device)
 
     def _reference_logps(self, batch):
-        import torch
+        from .reference import reference_logps
 
-        from .logps import forward_logps
-
-        if self.reference is None:
-            return None
-        with torch.no_grad():
-            return forward_logps(self.reference, batch, self.run.attn, self.cfg.logps_chunk_tokens)
+        return reference_logps(self.reference, batch, self.run.attn, self.cfg.logps_chunk_tokens, self.cfg.logps_impl)
 
     def _skip_if_any_rank_bad(self, loss, bad):
         """Makes a step with a non-finite loss on any rank a step DeepSpeed skips, on every rank alike.
@@ -266,7 +261,7 @@ class DPOTrainer:
             batch = self._row_batch(row)
             ref = self._reference_logps(batch)
             self.policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
-            pol = forward_logps(self.policy, batch, self.run.attn, self.cfg.logps_chunk_tokens)
+            pol = forward_logps(self.policy, batch, self.run.attn, self.cfg.logps_chunk_tokens, self.cfg.logps_impl)
             losses, per_pair = pair_losses(pol, ref, self.run.loss_cfg)
             if inject_nan:
                 losses = losses * float("nan")
@@ -335,12 +330,14 @@ def train(cfg: TrainConfig) -> list[dict]:
     from .engine import build_engines, zero_stage
     from .models import assert_packing_exact
     from .packing import iter_plan
+    from .reference import load_precomputed_reference
 
     run = prepare_run(cfg)
     resume = run.resume
+    precomputed = load_precomputed_reference(run)  # the --ref-logps file, checked before any process group
     init_process_group(cfg)
     policy, reference = build_engines(cfg, run.ds_config, len(run.tokenizer), run.attn)
-    trainer = DPOTrainer(run, policy, reference)
+    trainer = DPOTrainer(run, policy, precomputed or reference)
     checkpointer = Checkpointer(cfg, run, trainer.rank, trainer.dp_world_size, zero_stage(run.ds_config))
     if resume is not None:
         checkpointer.restore(policy, resume)

@@ -83,6 +83,11 @@ def deepspeed_module(procs: int, module: str, *args: str) -> list[str]:
     return [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(free_port()), "--module", module, *args]
 
 
+def deepspeed_script(procs: int, script: str, *args: str) -> list[str]:
+    """``deepspeed --num_gpus N --master_port P SCRIPT ARGS`` on a free port (a script path relative to the repo)."""
+    return [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(free_port()), script, *args]
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 

@@ -64,7 +64,7 @@ def train_front(tmp_path, out_dir, tokenizer_dir, monkeypatch, capsys):
     def launch_tripwire(*args, **kwargs):
         raise AssertionError("the launcher started although the input is bad")
 
-    monkeypatch.setattr(cli, "_launch_train", launch_tripwire)
+    monkeypatch.setattr(cli, "_launch", launch_tripwire)
     for key in cli.LAUNCHED_ENV:
         monkeypatch.delenv(key, raising=False)
 

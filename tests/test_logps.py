@@ -98,3 +98,92 @@ def test_no_completion_tokens_gives_zeros_and_bad_chunk_is_refused():
     with pytest.raises(ValueError, match="chunk_tokens"):
         sequence_logps(logits, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), 1,
                        chunk_tokens=0)
+
+
+# ----------------------------------------------------------------------------- lean (no [T, V] logits)
+def _grads(module: torch.nn.Module, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.grad.clone() for t in tensors] + [p.grad.clone() for p in module.parameters()]
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 3), length=st.integers(1, 16), vocab=st.integers(2, 40), hidden=st.integers(1, 12),
+       sequences=st.integers(1, 5), chunk=st.integers(1, 9), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_lean_values_and_gradients_match_plain(rows, length, vocab, hidden, sequences, chunk, bias, seed):
+    """lm_head + chunked label log-probs on full logits vs the lean function on hidden states: values and
+    gradients (hidden states, lm_head weight and bias) agree to 1e-5."""
+    from ds_packdpo.logps import lean_token_logps
+
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=bias)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    states = torch.randn(rows, length, hidden, generator=g)
+    labels, seq_index = random_layout(g, rows, length, vocab, sequences)
+    weights = torch.randn(sequences, generator=g)
+
+    plain_states = states.clone().requires_grad_()
+    plain = sequence_logps(head(plain_states), labels, seq_index, sequences, chunk_tokens=chunk)
+    (plain.logps * weights).sum().backward()
+    plain_grads = _grads(head, plain_states)
+    head.zero_grad()
+
+    lean_states = states.clone().requires_grad_()
+    rows_idx, token_logps, mean_logit = lean_token_logps(lean_states, labels, head, chunk_tokens=chunk)
+    seq = seq_index.reshape(-1)[rows_idx]
+    lean = torch.zeros(sequences).index_add(0, seq, token_logps)
+    (lean * weights).sum().backward()
+    lean_grads = _grads(head, lean_states)
+
+    torch.testing.assert_close(lean.detach(), plain.logps.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.zeros(sequences).index_add(0, seq, mean_logit), plain.logits_sum,
+                               rtol=1e-5, atol=1e-5)
+    for got, want in zip(lean_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True), ("qwen2", True)])
+def test_lean_forward_matches_plain_on_a_model(arch, tied):
+    """forward_logps on a real HF model, packed and padded: lean = plain in values, logits metric and every
+    parameter's gradient (tied embeddings too), and lean never saves a [T, V] tensor for backward."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_packdpo.collate import collate_packed, collate_padded
+    from ds_packdpo.logps import forward_logps
+    from ds_packdpo.models import synthetic_pairs, tiny_config
+
+    vocab = 300
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size=vocab, tie_word_embeddings=tied),
+                                             attn_implementation="sdpa")
+    pairs = synthetic_pairs(3, vocab, seed=1)
+    weights = torch.randn(6, generator=torch.Generator().manual_seed(2))
+    for collate in (collate_packed, collate_padded):
+        batch = collate(pairs, [0, 1, 2], 0)
+        results = {}
+        for impl in ("plain", "lean"):
+            model.zero_grad()
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+                out = forward_logps(model, batch, "sdpa", chunk_tokens=7, impl=impl)
+            (out.logps * weights).sum().backward()
+            results[impl] = out, [p.grad.clone() for p in model.parameters()], max(saved)
+        (plain, plain_grads, _), (lean, lean_grads, lean_saved) = results["plain"], results["lean"]
+        torch.testing.assert_close(lean.logps, plain.logps, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lean.logits_sum, plain.logits_sum, rtol=1e-5, atol=1e-5)
+        assert torch.equal(lean.tokens, plain.tokens)
+        for got, want in zip(lean_grads, plain_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert lean_saved < batch.input_ids.numel() * vocab  # nothing of [T, V] size kept for backward
+
+
+def test_lean_falls_back_to_plain_for_post_processed_logits():
+    from transformers import AutoModelForCausalLM
+
+    from ds_packdpo.logps import lean_lm_head
+    from ds_packdpo.models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=64))
+    assert lean_lm_head(model) is model.lm_head
+    model.config.final_logit_softcapping = 30.0  # Gemma-style soft-capping happens after the lm_head
+    assert lean_lm_head(model) is None

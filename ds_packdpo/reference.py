@@ -1,0 +1,233 @@
+"""Where the reference log-probs of a step come from: a live reference model, or a file computed once.
+
+The reference model is frozen, so its log-probs of a pair never change during
+training: ``ds-packdpo precompute-ref`` computes them once (packed and under ZeRO-3
+like training, :mod:`ds_packdpo.precompute_ref`) and ``train --ref-logps FILE``
+looks them up by pair id instead of running and holding a second model.
+
+The file is ``FILE`` (JSON lines, or Parquet for a name ending in ``.parquet``),
+one record per pair: ``pair_id``, ``chosen_logps``, ``rejected_logps`` and the
+completion token counts (IPO normalizes per token), next to ``FILE.meta.json``
+holding the fingerprint of everything that decides those numbers: the reference
+model (a folder: its config and weight files; a built config: the config and the
+seed), the tokenizer, the tokenized dataset (content, format, truncation) and the
+dtype.  A run whose fingerprint differs, or a pair missing from the file, is an
+:class:`InputError` before any process group starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import InputError
+from .logps import SequenceLogps, forward_logps
+
+FORMAT_VERSION = 1
+RECORD_KEYS = ("pair_id", "chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")
+OUTPUT_SUFFIXES = (".jsonl", ".parquet")
+# Files of an HF model folder that decide its outputs (weights: all shards; configs).
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_HASH_BLOCK = 1 << 24
+
+
+def meta_path(path) -> Path:
+    return Path(f"{path}.meta.json")
+
+
+def _sha256_json(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
+    """Identity of the reference model: a folder's config + weight files (content), or a built config + seed.
+
+    Random weights built under ZeRO-3 (``deepspeed.zero.Init``) differ from those
+    built without it for the same seed (seen here), hence ``zero_init``.
+
+    Hashing the weight files reads them once (about 1 GB/s): the price of never
+    training against log-probs of another checkpoint saved at the same path.
+    """
+    from .models import load_model_config
+
+    folder = cfg.ref_model or cfg.model
+    if folder is None:
+        config = load_model_config(cfg.model_config or "tiny", vocab_size).to_dict()
+        config.pop("transformers_version", None)
+        return {"config_sha256": _sha256_json(config), "seed": cfg.seed, "zero_init": zero_init}
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).iterdir()):
+        if path.name == "config.json" or path.suffix in _MODEL_FILE_SUFFIXES:
+            digest.update(path.name.encode() + b"\0")
+            with open(path, "rb") as handle:
+                while block := handle.read(_HASH_BLOCK):
+                    digest.update(block)
+    return {"folder_sha256": digest.hexdigest()}
+
+
+def reference_fingerprint(run) -> dict:
+    """Everything that changes a pair's reference log-probs (of a PreparedRun); the row layout and world size do
+    not (invariant 2)."""
+    from .data import tokenizer_fingerprint
+    from .engine import zero_stage
+
+    cfg = run.cfg
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": model_fingerprint(cfg, len(run.tokenizer), zero_stage(run.ds_config) == 3),
+        "tokenizer": tokenizer_fingerprint(run.tokenizer),
+        "dataset": run.prepared.fingerprint,  # content, tokenizer, format, max_length, max_prompt_length
+        "dtype": cfg.dtype,
+        "max_length": cfg.max_length,
+        "max_prompt_length": cfg.max_prompt_length,
+    }
+
+
+# ----------------------------------------------------------------------------- writing
+def check_output_path(out: str | None, overwrite: bool) -> Path:
+    """``--out`` of precompute-ref, checked before any work: suffix, folder, no silent overwrite."""
+    if not out:
+        raise InputError("--out is required: the file to write the reference log-probs to (.jsonl or .parquet)")
+    path = Path(out)
+    if path.suffix not in OUTPUT_SUFFIXES:
+        raise InputError(f"--out {out}: the name must end in {' or '.join(OUTPUT_SUFFIXES)}")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise InputError(f"--out {out}: {path.parent} is not a folder")
+    if (path.exists() or meta_path(path).exists()) and not overwrite:
+        raise InputError(f"--out {out}: file exists (pass --overwrite to replace it)")
+    return path
+
+
+def _atomic_write(path: Path, write) -> None:
+    """``write(temporary_path)`` then a rename: the file is whole or absent, never half written."""
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
+    handle.close()
+    try:
+        write(handle.name)
+        os.replace(handle.name, path)
+    except BaseException:
+        os.unlink(handle.name)
+        raise
+
+
+def write_reference(path, columns: dict[str, list], fingerprint: dict, info: dict) -> None:
+    """The records (``RECORD_KEYS`` columns, one entry per pair) and then their fingerprint.
+
+    An older ``.meta.json`` is removed first: if anything stops midway, the file has
+    no fingerprint and training refuses it, rather than matching new numbers to an
+    old fingerprint.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta_path(path).unlink(missing_ok=True)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        _atomic_write(path, lambda tmp: pq.write_table(pa.table(columns), tmp))
+    else:
+        def write_lines(tmp):
+            with open(tmp, "w") as handle:
+                for values in zip(*(columns[k] for k in RECORD_KEYS)):
+                    handle.write(json.dumps(dict(zip(RECORD_KEYS, values))) + "\n")
+
+        _atomic_write(path, write_lines)
+    meta = {"fingerprint": fingerprint, "info": info}
+    _atomic_write(meta_path(path), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
+
+
+# ----------------------------------------------------------------------------- reading
+def _read_records(path: Path) -> dict[str, list]:
+    label = f"--ref-logps {path}"
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path).to_pydict()
+        except Exception as error:  # pyarrow raises several types for a damaged file
+            raise InputError(f"{label}: not a readable Parquet file ({str(error).splitlines()[0]})") from None
+        missing = [k for k in RECORD_KEYS if k not in table]
+        if missing:
+            raise InputError(f"{label}: missing column(s) {', '.join(missing)}")
+        return {k: table[k] for k in RECORD_KEYS}
+    columns = {k: [] for k in RECORD_KEYS}
+    with open(path) as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                record = json.loads(line)
+                values = [record[k] for k in RECORD_KEYS]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise InputError(f"{label} line {number}: expected a JSON object with keys "
+                                 f"{', '.join(RECORD_KEYS)} ({type(error).__name__}: {error})") from None
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise InputError(f"{label} line {number}: every value must be a number, got {record}")
+            for key, value in zip(RECORD_KEYS, values):
+                columns[key].append(value)
+    return columns
+
+
+class PrecomputedReference:
+    """Reference log-probs of every pair of the run, aligned with the dataset's positional pair index."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values  # [pairs, 4] float32: chosen, rejected logps; chosen, rejected token counts
+
+    @classmethod
+    def load(cls, path, fingerprint: dict, pair_ids) -> PrecomputedReference:
+        """Reads ``path`` for the run whose fingerprint and dataset ``pair_ids`` (in positional order) are given."""
+        path = Path(path)
+        label = f"--ref-logps {path}"
+        meta_file = meta_path(path)
+        if not meta_file.is_file():
+            raise InputError(f"{label}: no fingerprint file {meta_file.name} beside it (was it written by "
+                             f"'ds-packdpo precompute-ref'?)")
+        try:
+            stored = json.loads(meta_file.read_text())["fingerprint"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise InputError(f"{label}: unreadable {meta_file.name} ({type(error).__name__}: {error})") from None
+        differing = sorted(k for k in set(stored) | set(fingerprint) if stored.get(k) != fingerprint.get(k))
+        if differing:
+            raise InputError(f"{label}: computed for a different {', '.join(differing)} than this run "
+                             f"(run 'ds-packdpo precompute-ref' with this run's settings)")
+        columns = _read_records(path)
+        position = {}
+        for row, pair_id in enumerate(columns["pair_id"]):
+            if position.setdefault(int(pair_id), row) != row:
+                raise InputError(f"{label}: pair_id {int(pair_id)} appears more than once")
+        missing = [int(pair_id) for pair_id in pair_ids if int(pair_id) not in position]
+        if missing:
+            raise InputError(f"{label}: no reference log-probs for pair_id {missing[0]} "
+                             f"({len(missing)} of the run's {len(pair_ids)} pairs are missing)")
+        rows = np.asarray([position[int(pair_id)] for pair_id in pair_ids], dtype=np.int64)
+        table = np.stack([np.asarray(columns[k], dtype=np.float32)[rows] for k in RECORD_KEYS[1:]], axis=1)
+        return cls(torch.from_numpy(table))
+
+    def sequence_logps(self, batch) -> SequenceLogps:
+        """The row's pairs in canonical order (sequence 2p chosen, 2p+1 rejected), as a forward would give them."""
+        device = batch.input_ids.device
+        rows = self.values[batch.pair_indices.cpu()].to(device)
+        return SequenceLogps(logps=rows[:, 0:2].reshape(-1), tokens=rows[:, 2:4].reshape(-1),
+                             logits_sum=torch.zeros(2 * rows.shape[0], device=device))
+
+
+def load_precomputed_reference(run) -> PrecomputedReference | None:
+    """The ``--ref-logps`` file checked against this run (None without it); phase one, before any process group."""
+    if run.cfg.ref_logps is None:
+        return None
+    return PrecomputedReference.load(run.cfg.ref_logps, reference_fingerprint(run), run.prepared.dataset["pair_id"])
+
+
+def reference_logps(reference, batch, attn: str, chunk_tokens: int, impl: str) -> SequenceLogps | None:
+    """The reference log-probs of ``batch``: looked up, run without gradients, or None (SimPO)."""
+    if reference is None:
+        return None
+    if isinstance(reference, PrecomputedReference):
+        return reference.sequence_logps(batch)
+    with torch.no_grad():
+        return forward_logps(reference, batch, attn, chunk_tokens, impl)

@@ -1,0 +1,145 @@
+"""Precomputed reference log-probs: one 2-rank precompute, checked against an independent padded forward, then
+training with the file against training with the live reference engine (same flags as the layout test)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from launching import deepspeed_module, deepspeed_script, read_metrics, run
+from test_trainer_multirank import COMMON
+
+from ds_packdpo.config import parse_train_args
+
+BUDGET = ["--max-tokens-per-row", "400"]
+
+
+def save_tiny_model(folder: Path, seed: int) -> Path:
+    """A tiny random model with the embedded data's tokenizer, as an HF folder.
+
+    A folder rather than ``--model-config tiny``: random weights built under ZeRO-3
+    differ from those built without it for the same seed, and the padded check below
+    runs without DeepSpeed.
+    """
+    from ds_packdpo.models import build_model
+    from ds_packdpo.synthetic import default_tokenizer, synthetic_preference_rows
+
+    tokenizer = default_tokenizer(synthetic_preference_rows(48, seed=0))
+    build_model(None, "tiny", len(tokenizer), torch.float32, "sdpa", seed=seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def padded_reference_logps(flags: list[str]) -> dict[int, tuple[float, float, int, int]]:
+    """Independent of packing, chunking and lean log-probs: the model loaded without DeepSpeed, padded rows,
+    a full log_softmax and a masked sum per row."""
+    from ds_packdpo.collate import collate_padded
+    from ds_packdpo.models import build_model
+    from ds_packdpo.trainer import _tokenizer_and_rows, prepare_data
+
+    cfg = parse_train_args(flags)
+    tokenizer, rows = _tokenizer_and_rows(cfg)
+    prepared = prepare_data(cfg, tokenizer, rows)
+    model = build_model(cfg.model, None, len(tokenizer), torch.float32, "sdpa").eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    columns = prepared.dataset
+    result = {}
+    for start in range(0, len(columns), 8):
+        indices = list(range(start, min(start + 8, len(columns))))
+        cols = columns[indices]
+        pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
+                 for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
+        batch = collate_padded(pairs, indices, pad)
+        with torch.no_grad():
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        mask = batch.labels != -100
+        token_logps = torch.log_softmax(logits, -1).gather(-1, batch.labels.clamp_min(0)[..., None])[..., 0]
+        sums, counts = (token_logps * mask).sum(1), mask.sum(1)
+        n = len(indices)
+        for i, pair_id in enumerate(cols["pair_id"]):
+            result[pair_id] = (sums[i].item(), sums[n + i].item(), int(counts[i]), int(counts[n + i]))
+    return result
+
+
+def train_main(*flags: str) -> int:
+    from ds_packdpo.train import main
+
+    return main(list(flags))
+
+
+@pytest.mark.multirank
+def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path, capsys):
+    model = save_tiny_model(tmp_path / "model", seed=0)
+    cache = ["--cache-dir", str(tmp_path / "cache"), "--model", str(model)]
+    out = tmp_path / "ref" / "reference.jsonl"
+    run(deepspeed_module(2, "ds_packdpo.precompute_ref", "--out", str(out), *cache, *BUDGET, *COMMON))
+
+    # 1. the file: one line per pair, the same pair ids as `prepare --out`, values of an independent padded forward
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    meta = json.loads(Path(f"{out}.meta.json").read_text())
+    assert meta["info"]["world_size"] == 2 and meta["fingerprint"]["dtype"] == "fp32"
+    from ds_packdpo.data import DataConfig, run_prepare
+    from ds_packdpo.trainer import _tokenizer_and_rows
+
+    cfg = parse_train_args([*cache, *COMMON])
+    tokenizer, rows = _tokenizer_and_rows(cfg)
+    run_prepare(DataConfig.from_settings(cfg, dataset="synthetic"), tokenizer, tmp_path / "pairs.jsonl", rows=rows)
+    prepared_ids = [json.loads(line)["pair_id"] for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    assert [r["pair_id"] for r in records] == sorted(prepared_ids) and len(records) == 48
+    expected = padded_reference_logps([*cache, *COMMON])
+    for record in records:
+        chosen, rejected, chosen_tokens, rejected_tokens = expected[record["pair_id"]]
+        assert record["chosen_logps"] == pytest.approx(chosen, rel=1e-5, abs=1e-5)
+        assert record["rejected_logps"] == pytest.approx(rejected, rel=1e-5, abs=1e-5)
+        assert (record["chosen_tokens"], record["rejected_tokens"]) == (chosen_tokens, rejected_tokens)
+
+    # 2. training with the file = training with the live reference engine (fp32, 1e-5)
+    def launch(name: str, *flags: str) -> list[dict]:
+        run(deepspeed_module(2, "ds_packdpo.train", "--output-dir", str(tmp_path / name), *cache, *BUDGET, *COMMON,
+                             *flags))
+        return read_metrics(tmp_path / name / "metrics.jsonl")
+
+    live = launch("live")
+    precomputed = launch("precomputed", "--ref-logps", str(out))
+    assert live[0]["loss"] == pytest.approx(0.693147, abs=1e-5) and live[-1]["loss"] < live[0]["loss"]
+    for want, got in zip(live, precomputed, strict=True):
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/chosen", "logits/chosen"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
+
+    # 3. a file that does not fit the run is refused before any process group, in one line
+    base = ["--output-dir", str(tmp_path / "refused"), *cache, *BUDGET, *COMMON]
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text("\n".join(out.read_text().splitlines()[1:]) + "\n")
+    shutil.copy(f"{out}.meta.json", f"{missing}.meta.json")
+    no_meta = tmp_path / "no_meta.jsonl"
+    shutil.copy(out, no_meta)
+    for flags, message in [
+        (["--ref-logps", str(out), "--max-length", "90"], "computed for a different dataset, max_length"),
+        (["--ref-logps", str(out), "--ref-model", str(save_tiny_model(tmp_path / "other", seed=1))],
+         "computed for a different model"),
+        (["--ref-logps", str(missing)], f"no reference log-probs for pair_id {records[0]['pair_id']}"),
+        (["--ref-logps", str(no_meta)], "no fingerprint file"),
+        (["--ref-logps", str(out), "--loss", "simpo"], "reference-free"),
+    ]:
+        assert train_main(*base, *flags) == 2, flags
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("error: --ref-logps") and message in last, last
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.multirank
+def test_lean_gradients_reach_zero3_partitions(tmp_path):
+    """2 ranks, ZeRO-3 with every parameter partitioned, untied and tied embeddings, ranks with different
+    chunk counts and a dummy row: every parameter's gradient assembled from DeepSpeed's partitions after
+    engine.backward is the same with lean and plain log-probs (see tests/zero3_lean_check.py)."""
+    out = tmp_path / "report.json"
+    run(deepspeed_script(2, "tests/zero3_lean_check.py", str(out)))
+    report = json.loads(out.read_text())
+    for model in ("untied", "tied"):
+        worst = report[model]
+        assert worst["grad_scale"] > 1e-3, worst  # the check has gradients to compare
+        assert worst["grad"] <= 1e-5 * worst["grad_scale"], (model, worst)
+        assert worst["logps"] <= 1e-5 * worst["logps_scale"], (model, worst)

@@ -1,0 +1,76 @@
+"""One rank of the ZeRO-3 lean-vs-plain gradient check (launched by tests/test_reference.py).
+
+Per model (untied and tied embeddings), a ZeRO-3 engine with every parameter
+partitioned runs the same rows through plain and lean log-probs; after each
+``engine.backward`` the full gradient of every parameter is assembled from
+DeepSpeed's partitions.  The ranks get different numbers of completion tokens (and
+one row gives rank 1 the dummy row with none), so the ranks make different numbers
+of chunks unless they agree on them.  Rank 0 writes the largest differences as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_grad
+from transformers import AutoModelForCausalLM
+from transformers.integrations import HfDeepSpeedConfig
+
+from ds_packdpo.collate import collate_packed
+from ds_packdpo.logps import forward_logps
+from ds_packdpo.models import synthetic_pairs, tiny_config
+
+DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+             "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "zero_allow_untested_optimizer": True}
+VOCAB = 300
+
+
+def full_grads(engine) -> list[torch.Tensor]:
+    return [safe_get_full_grad(p).detach().clone() for p in engine.module.parameters()]
+
+
+def main(out_path: str) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    rows = [synthetic_pairs(3 if rank == 0 else 1, VOCAB, seed=10 + rank, max_tokens=20),
+            synthetic_pairs(2, VOCAB, seed=20) if rank == 0 else []]
+    report = {}
+    for tied in (False, True):
+        keep_alive = HfDeepSpeedConfig(DS_CONFIG)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=VOCAB, tie_word_embeddings=tied),
+                                                 attn_implementation="sdpa")
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=DS_CONFIG)
+        del keep_alive
+        worst = {"logps": 0.0, "logps_scale": 0.0, "grad": 0.0, "grad_scale": 0.0}
+        for pairs in rows:
+            batch = collate_packed(pairs, list(range(len(pairs))), 0)
+            results = {}
+            for impl in ("plain", "lean"):
+                seqs = forward_logps(engine, batch, "sdpa", chunk_tokens=5, impl=impl)
+                loss = (seqs.logps * torch.linspace(-1.0, 1.0, seqs.logps.numel())).sum() / 100
+                engine.backward(loss)
+                results[impl] = seqs.logps.detach(), full_grads(engine)
+                engine.optimizer.zero_grad()
+            (plain, plain_grads), (lean, lean_grads) = results["plain"], results["lean"]
+            if plain.numel():
+                worst["logps"] = max(worst["logps"], float((plain - lean).abs().max()))
+                worst["logps_scale"] = max(worst["logps_scale"], float(plain.abs().max()))
+            for want, got in zip(plain_grads, lean_grads, strict=True):
+                worst["grad"] = max(worst["grad"], float((want - got).abs().max()))
+                worst["grad_scale"] = max(worst["grad_scale"], float(want.abs().max()))
+        report["tied" if tied else "untied"] = worst
+        engine.destroy()
+    if rank == 0:
+        with open(out_path, "w") as handle:
+            json.dump(report, handle)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(next(a for a in sys.argv[1:] if not a.startswith("--local_rank")))
