@@ -1,4 +1,4 @@
-"""``ds-packdpo``: train, prepare, pack-stats and check.
+"""``ds-packdpo``: train, prepare, pack-stats, check, bench and report.
 
 ``ds-packdpo train`` outside a launcher starts the deepspeed launcher itself
 (2 CPU ranks, or one per GPU), so the embedded default runs with one command;
@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Callable
 
 from .errors import InputError
@@ -37,7 +38,7 @@ def run_guarded(job: Callable[[], int]) -> int:
         raise
 
 
-def _launch_train(argv: list[str], num_procs: int | None, master_port: int) -> int:
+def _launch_train(argv: list[str], num_procs: int | None, master_port: int, module: str = "ds_packdpo.train") -> int:
     """Re-runs this command under the deepspeed launcher (arguments passed as a list, never through a shell)."""
     import torch
 
@@ -47,7 +48,7 @@ def _launch_train(argv: list[str], num_procs: int | None, master_port: int) -> i
     procs = num_procs or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port),
-           "--module", "ds_packdpo.train", *argv]
+           "--module", module, *argv]
     return subprocess.call(cmd, env=env)
 
 
@@ -138,25 +139,56 @@ def cmd_check(argv: list[str]) -> int:
     return run_guarded(job)
 
 
-def cmd_train(argv: list[str]) -> int:
+def _run_launched(argv: list[str], module: str, rank_main: Callable[[list[str]], int],
+                  parse: Callable[[list[str]], object]) -> int:
+    """One rank under a launcher; outside one, checks the flags and starts the deepspeed launcher on ``module``."""
     if any(os.environ.get(k) for k in LAUNCHED_ENV):
-        from .train import main as rank_main
-
         return rank_main(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--num-procs", type=int, default=None)
     pre.add_argument("--master-port", type=int, default=29500)
     launch, rest = pre.parse_known_args(argv)
-    from .config import parse_train_args
-
     # Validate the settings here too, so a typo fails before any rank starts (and --help prints the flags).
-    code = run_guarded(lambda: parse_train_args(rest) and 0)
+    code = run_guarded(lambda: parse(rest) and 0)
     if code:
         return code
-    return _launch_train(rest, launch.num_procs, launch.master_port)
+    return _launch_train(rest, launch.num_procs, launch.master_port, module)
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check}
+def cmd_train(argv: list[str]) -> int:
+    from .config import parse_train_args
+    from .train import main as rank_main
+
+    return _run_launched(argv, "ds_packdpo.train", rank_main, parse_train_args)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from .bench import main as rank_main
+    from .bench import parse_bench_args
+
+    return _run_launched(argv, "ds_packdpo.bench", rank_main, parse_bench_args)
+
+
+def cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ds-packdpo report",
+                                     description="Merge bench folders into one comparison report.")
+    parser.add_argument("folders", nargs="+", help="Bench folders (each holding report.json).")
+    parser.add_argument("--out", required=True, help="Folder of the comparison (merged.json, report.md, PNG).")
+    parser.add_argument("--overwrite", action="store_true", help="Replace --out if it exists.")
+    args = parser.parse_args(argv)
+
+    def job() -> int:
+        from .report import merge_reports, write_merged
+
+        write_merged(merge_reports(args.folders), Path(args.out), overwrite=args.overwrite)
+        print(Path(args.out) / "report.md")
+        return 0
+
+    return run_guarded(job)
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check,
+            "bench": cmd_bench, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:
