@@ -1,4 +1,4 @@
-"""``ds-packdpo``: train, prepare, pack-stats, check and precompute-ref.
+"""``ds-packdpo``: train, prepare, pack-stats, check, precompute-ref, export, bench and report.
 
 ``ds-packdpo train`` outside a launcher starts the deepspeed launcher itself
 (2 CPU ranks, or one per GPU), so the embedded default runs with one command;
@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Callable
 
 from .errors import InputError
@@ -234,8 +235,33 @@ def cmd_export(argv: list[str]) -> int:
     return run_guarded(job)
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from .bench import main as rank_main
+    from .bench import parse_bench_args
+
+    return _distributed_command(argv, "ds_packdpo.bench", rank_main, lambda rest, procs: parse_bench_args(rest))
+
+
+def cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ds-packdpo report",
+                                     description="Merge bench folders into one comparison report.")
+    parser.add_argument("folders", nargs="+", help="Bench folders (each holding report.json).")
+    parser.add_argument("--out", required=True, help="Folder of the comparison (merged.json, report.md, PNG).")
+    parser.add_argument("--overwrite", action="store_true", help="Replace --out if it exists.")
+    args = parser.parse_args(argv)
+
+    def job() -> int:
+        from .report import merge_reports, write_merged
+
+        write_merged(merge_reports(args.folders), Path(args.out), overwrite=args.overwrite)
+        print(Path(args.out) / "report.md")
+        return 0
+
+    return run_guarded(job)
+
+
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check,
-            "precompute-ref": cmd_precompute_ref, "export": cmd_export}
+            "precompute-ref": cmd_precompute_ref, "export": cmd_export, "bench": cmd_bench, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

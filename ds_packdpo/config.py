@@ -90,6 +90,9 @@ class TrainConfig:
     ref_offload: bool = _opt("Offload the reference parameters to CPU (ZeRO-3).", False)
     collective_timeout_s: float = _opt("Seconds before a stalled collective (e.g. a dead rank) ends the run.", 600.0)
     skip_packing_check: bool = _opt("Skip the start-up check that packed log-probs equal unpacked ones.", False)
+    # --- throughput (MFU in the per-step log and the bench) ---
+    peak_tflops: float | None = _opt("Peak TFLOP/s of one device at the run's precision, for MFU (logged on GPU only; "
+                                     "e.g. 989 for an H100 SXM in bf16).")
     # --- outputs ---
     output_dir: str = _opt("Run folder (metrics, logs).", "runs/train")
     metrics_out: str | None = _opt("Per-step JSON lines (default OUTPUT_DIR/metrics.jsonl).")
@@ -139,6 +142,8 @@ class TrainConfig:
             raise InputError(f"--lr and --beta must be > 0, got lr={self.lr} beta={self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise InputError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise InputError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
         if self.collective_timeout_s <= 0:
             raise InputError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         if self.model is not None and self.model_config is not None:

@@ -321,6 +321,15 @@ def total_steps(run: PreparedRun) -> int:
     return min(steps, run.cfg.max_steps) if run.cfg.max_steps else steps
 
 
+def throughput_meter(run: PreparedRun, policy, reference):
+    """Model TFLOP/s and MFU per step, counted like the bench counts them (``flops.py``)."""
+    from .flops import FlopModel, ThroughputMeter
+
+    return ThroughputMeter(FlopModel.of(policy, with_reference=reference is not None), run.prepared.chosen_lengths,
+                           run.prepared.rejected_lengths, packed=not run.cfg.no_packing, world_size=run.world_size,
+                           peak_tflops=run.cfg.peak_tflops)
+
+
 def train(cfg: TrainConfig) -> list[dict]:
     """The whole job on this rank; returns the per-step metrics (rank 0 also writes them)."""
     from tqdm.auto import tqdm
@@ -346,6 +355,7 @@ def train(cfg: TrainConfig) -> list[dict]:
 
     steps = total_steps(run)
     start = resume or ResumePoint(None, epoch=0, epoch_step=0, global_step=0, bad_steps=0)
+    meter = throughput_meter(run, policy, reference) if run.device_type == "cuda" else None
     is_main = trainer.rank == 0
     metrics_file = None
     if is_main:
@@ -379,6 +389,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             record = {"step": global_step, "epoch": plan.epoch, "epoch_step": plan.step, **metrics,
                       "step_time_s": seconds, "tokens_per_s": metrics["tokens"] / seconds,
                       "pairs_per_s": metrics["pairs"] / seconds}
+            if meter is not None:
+                record.update(meter.figures(meter.step_flops(plan), seconds))
             history.append(record)
             if is_main and metrics["skipped"]:
                 logger.warning(f"step {global_step} skipped: non-finite loss or gradient "

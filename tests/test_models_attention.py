@@ -50,13 +50,13 @@ def test_cpu_backends_resolve_to_themselves(name):
     assert resolve_attn(name, "cuda") == name
 
 
-def test_auto_is_flash_on_cuda_when_importable_else_sdpa(monkeypatch):
-    assert resolve_attn("auto", "cpu") == "sdpa"
+def test_auto_is_flash_on_cuda_when_importable_else_sdpa_varlen(monkeypatch):
+    assert resolve_attn("auto", "cpu") == "sdpa_varlen"
     monkeypatch.setattr(attention, "flash_attention_available", lambda name: False)
-    assert resolve_attn("auto", "cuda") == "sdpa"
+    assert resolve_attn("auto", "cuda") == "sdpa_varlen"
     monkeypatch.setattr(attention, "flash_attention_available", lambda name: name == "flash_attention_2")
     assert resolve_attn("auto", "cuda") == "flash_attention_2"
-    assert resolve_attn("auto", "cpu") == "sdpa"
+    assert resolve_attn("auto", "cpu") == "sdpa_varlen"
     assert resolve_attn("flash_attention_2", "cuda") == "flash_attention_2"
 
 
@@ -212,7 +212,7 @@ def model_and_tokenizer_folders(tmp_path_factory):
 def test_run_check_reports_json_and_ok(model_and_tokenizer_folders):
     model_dir, tok_dir = model_and_tokenizer_folders
     result = run_check(model_dir, tok_dir, attn="auto", pairs=3)
-    assert result["ok"] and result["attn"] == "sdpa" and result["requested_attn"] == "auto"
+    assert result["ok"] and result["attn"] == "sdpa_varlen" and result["requested_attn"] == "auto"
     assert result["dataset"] == "synthetic" and result["pairs"] == 3
     assert json.loads(json.dumps(result)) == result
     assert run_check(model_dir, tok_dir, attn="eager", pairs=1, dtype="bf16")["ok"]

@@ -1,0 +1,356 @@
+"""The throughput benchmark: the same model, data and steps, packed against padded, in one launch.
+
+One rank of ``deepspeed --num_gpus N --module ds_packdpo.bench <train flags> --out DIR``
+(or any launcher the trainer runs under).  For every named configuration in turn
+(``packed``, ``padded``, ... see :data:`CONFIGURATIONS`) it builds fresh engines with
+the same seed, runs ``--bench-warmup-steps`` optimizer steps unmeasured and then
+``--max-steps`` measured ones through the trainer's own ``DPOTrainer.train_step``,
+and frees the engines before the next configuration.  Rank 0 then writes the report
+folder (``report.py``).
+
+Nothing here re-implements a step: the figures are the trainer's step metrics, the
+wall time of ``StepTimer`` (the slowest rank's, since ZeRO-3 runs the ranks in lock
+step), the plan's per-rank loads, the analytic FLOPs of ``flops.py`` and a peak-memory
+probe per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import shlex
+import statistics
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import TrainConfig, add_arguments, config_from_args, to_dict
+from .errors import InputError
+
+# A configuration is a name and the TrainConfig fields it overrides; add one here and it can be
+# measured with --configurations.  "packed" and "padded" give the report's speedup.
+CONFIGURATIONS: dict[str, dict] = {
+    "packed": {"no_packing": False},
+    "padded": {"no_packing": True},
+    "packed-sdpa-dense": {"no_packing": False, "attn": "sdpa"},  # the dense block-diagonal mask
+}
+DEFAULT_CONFIGURATIONS = "packed,padded"
+DEFAULT_MEASURED_STEPS = 4
+
+
+@dataclass
+class BenchSettings:
+    """The bench's own flags (the train flags come from TrainConfig; --max-steps is the measured steps)."""
+
+    out: str = "runs/bench"
+    bench_warmup_steps: int = 1
+    configurations: list[str] = field(default_factory=lambda: DEFAULT_CONFIGURATIONS.split(","))
+    bench_model: bool = True
+
+    def validate(self) -> None:
+        if self.bench_warmup_steps < 0:
+            raise InputError(f"--bench-warmup-steps must be >= 0, got {self.bench_warmup_steps}")
+        unknown = [name for name in self.configurations if name not in CONFIGURATIONS]
+        if unknown or not self.configurations:
+            raise InputError(f"--configurations: unknown {', '.join(unknown) or '(empty)'} "
+                             f"(known: {', '.join(CONFIGURATIONS)})")
+        if len(set(self.configurations)) != len(self.configurations):
+            raise InputError(f"--configurations: a name is repeated in {','.join(self.configurations)}")
+
+
+def bench_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Packed vs padded throughput of the DPO step.")
+    add_arguments(parser)
+    group = parser.add_argument_group("bench")
+    group.add_argument("--out", default=BenchSettings.out, help="Report folder (written atomically by rank 0).")
+    group.add_argument("--bench-warmup-steps", type=int, default=BenchSettings.bench_warmup_steps,
+                       help="Optimizer steps run before measuring, per configuration (--warmup-steps is the LR "
+                            "schedule's). --max-steps is the number of measured steps (default "
+                            f"{DEFAULT_MEASURED_STEPS}).")
+    group.add_argument("--configurations", default=DEFAULT_CONFIGURATIONS,
+                       help=f"Comma-separated configurations to measure, in order (known: {', '.join(CONFIGURATIONS)}).")
+    group.add_argument("--bench-model", action=argparse.BooleanOptionalAction, default=True,
+                       help="Without --model/--model-config, measure the bench model (Llama, hidden 256, 4 layers, "
+                            "4 heads, 2 KV heads) instead of the 'tiny' default (hidden 64).")
+    return parser
+
+
+def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> tuple[TrainConfig, BenchSettings]:
+    args = bench_parser(prog).parse_args(argv)
+    cfg = config_from_args(args)
+    if cfg.max_steps is None:
+        cfg = dataclasses.replace(cfg, max_steps=DEFAULT_MEASURED_STEPS)
+    settings = BenchSettings(out=args.out, bench_warmup_steps=args.bench_warmup_steps,
+                             configurations=[n.strip() for n in args.configurations.split(",") if n.strip()],
+                             bench_model=args.bench_model)
+    settings.validate()
+    out = Path(settings.out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not cfg.overwrite)):
+        raise InputError(f"--out {out}: exists and is not an empty folder (pass --overwrite to replace it)")
+    return cfg, settings
+
+
+BENCH_MODEL = dict(hidden_size=256, layers=4, heads=4, kv_heads=2)
+
+
+def bench_model_config(cfg: TrainConfig, settings: BenchSettings, vocab_size: int, folder: Path) -> TrainConfig:
+    """The run config with the bench model's config.json (written once per node) unless a model was given."""
+    if cfg.model is not None or cfg.model_config is not None or not settings.bench_model:
+        return cfg
+    from filelock import FileLock
+
+    from .models import tiny_config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"bench_model_vocab{vocab_size}.json"
+    with FileLock(str(path) + ".lock"):
+        if not path.is_file():
+            tiny_config("llama", vocab_size=vocab_size, max_position_embeddings=max(4096, cfg.row_budget),
+                        **BENCH_MODEL).to_json_file(str(path))
+    return dataclasses.replace(cfg, model_config=str(path))
+
+
+def bench_model_folder(cfg: TrainConfig) -> Path:
+    import os
+
+    from .data import DEFAULT_CACHE_DIR
+
+    return Path(os.path.expanduser(cfg.cache_dir or DEFAULT_CACHE_DIR)) / "bench_models"
+
+
+class PeakMemory:
+    """Peak memory of this process over one configuration.
+
+    On CUDA ``torch.cuda.max_memory_allocated`` (reset at start).  On CPU the RSS,
+    sampled every 10 ms by a thread: ``ru_maxrss`` is the peak of the process's
+    whole life, so it cannot tell the second configuration from the first.
+    """
+
+    def __init__(self, device_type: str, interval_s: float = 0.01):
+        self.device_type = device_type
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    @property
+    def kind(self) -> str:
+        return "cuda_max_allocated" if self.device_type == "cuda" else "rss"
+
+    def __enter__(self):
+        if self.device_type == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            import psutil
+
+            process = psutil.Process()
+
+            def sample():
+                while True:
+                    self.peak_bytes = max(self.peak_bytes, process.memory_info().rss)
+                    if self._stop.wait(self.interval_s):
+                        return
+
+            self._thread = threading.Thread(target=sample, name="bench-rss", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device_type == "cuda":
+            import torch
+
+            self.peak_bytes = int(torch.cuda.max_memory_allocated())
+        else:
+            self._stop.set()
+            self._thread.join()
+        return False
+
+
+def _percentile(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def _free_engines(*engines) -> None:
+    """Releases a configuration's engines before the next is built (ZeRO-3 hooks, buffers, caches)."""
+    for engine in engines:
+        if engine is not None and hasattr(engine, "destroy"):
+            engine.destroy()
+    gc.collect()
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().empty_cache()
+
+
+def measure_configuration(name: str, cfg: TrainConfig, warmup_steps: int) -> dict:
+    """Runs one configuration on this rank; returns its figures, aggregated over all ranks (same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from .engine import build_engines
+    from .flops import FlopModel, ThroughputMeter, plan_attention_sq
+    from .models import assert_packing_exact
+    from .packing import iter_plan
+    from .trainer import DPOTrainer, StepTimer, prepare_run
+
+    run = prepare_run(cfg)
+    packed = not cfg.no_packing
+    with PeakMemory(run.device_type) as memory:
+        policy, reference = build_engines(cfg, run.ds_config, len(run.tokenizer), run.attn)
+        trainer = DPOTrainer(run, policy, reference)
+        if packed and not cfg.skip_packing_check:
+            assert_packing_exact(policy, run.attn, len(run.tokenizer), trainer.pad_token_id, device=trainer.device)
+        meter = ThroughputMeter(FlopModel.of(policy, reference is not None), run.prepared.chosen_lengths,
+                                run.prepared.rejected_lengths, packed, run.world_size, cfg.peak_tflops)
+        lengths = (run.prepared.chosen_lengths, run.prepared.rejected_lengths)
+        timer = StepTimer()
+        steps, index = [], 0
+        # Every rank holds the whole plan, so rank 0's records carry every rank's load.
+        for index, plan in enumerate(iter_plan(*lengths, run.plan_cfg, cfg.epochs)):
+            if index >= warmup_steps + cfg.max_steps:
+                break
+            timer.begin()
+            metrics = trainer.train_step(plan)
+            seconds = timer.seconds()
+            if index < warmup_steps:
+                continue
+            steps.append({
+                "step": index + 1, "step_time_s": seconds, "pairs": metrics["pairs"], "real_tokens": metrics["tokens"],
+                "computed_tokens": metrics["computed_tokens"], "rows_per_rank": metrics["rows_per_rank"],
+                "rank_tokens": list(plan.rank_tokens), "rank_computed_tokens": list(plan.rank_computed_tokens),
+                "attention_sq": plan_attention_sq(plan, *lengths, packed), "flops": meter.step_flops(plan),
+                "row_fill": [row.tokens / cfg.row_budget for rows in plan.ranks for row in rows if row.pairs],
+                "sequence_lengths": [int(lengths[k][p]) for p in plan.pairs for k in (0, 1)],
+            })
+        _free_engines(policy, reference)
+        del policy, reference, trainer
+    if not steps:
+        raise InputError(f"--max-steps/--bench-warmup-steps: the data holds only {index} steps; no step was measured")
+    # The slowest rank sets each step's time; every rank's peak memory goes into the report.
+    times = torch.tensor([s["step_time_s"] for s in steps], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, memory.peak_bytes)
+    for step, seconds in zip(steps, times.tolist()):
+        step["step_time_s"] = seconds
+    return summarize(name, CONFIGURATIONS[name], run.attn, packed, steps, peaks, memory.kind, meter)
+
+
+def summarize(name: str, overrides: dict, attn: str, packed: bool, steps: list[dict], peaks: list[int],
+              memory_kind: str, meter) -> dict:
+    """One configuration's entry of ``report.json`` ``runs`` (see report.py for the schema)."""
+    total_time = sum(s["step_time_s"] for s in steps)
+    real = sum(s["real_tokens"] for s in steps)
+    computed = sum(s["computed_tokens"] for s in steps)
+    pairs = sum(s["pairs"] for s in steps)
+    flops = sum(s["flops"] for s in steps)
+    times = [s["step_time_s"] for s in steps]
+    balance = [max(s["rank_computed_tokens"]) / (sum(s["rank_computed_tokens"]) / len(s["rank_computed_tokens"]))
+               for s in steps]
+    return {
+        "name": name,
+        "overrides": overrides,
+        "attn": attn,
+        "packing": packed,
+        "measured_steps": len(steps),
+        "tokens_per_s": real / total_time,
+        "pairs_per_s": pairs / total_time,
+        "computed_tokens_per_s": computed / total_time,
+        "step_time_s": {"median": statistics.median(times), "p90": _percentile(times, 90), "mean": total_time / len(times),
+                        "min": min(times), "max": max(times)},
+        "real_tokens": real,
+        "computed_tokens": computed,
+        "pairs": pairs,
+        "utilization": real / computed,
+        "rank_load_max_over_mean": max(balance),
+        "rank_load_max_over_mean_mean": sum(balance) / len(balance),
+        "rows_per_rank_mean": sum(s["rows_per_rank"] for s in steps) / len(steps),
+        "peak_mem_mb": max(peaks) / 2**20,
+        "peak_mem_mb_per_rank": [p / 2**20 for p in peaks],
+        "peak_mem_kind": memory_kind,
+        "model_flops": flops,
+        **meter.figures(flops, total_time),
+        "steps": steps,
+    }
+
+
+def environment(device_type: str) -> dict:
+    import platform
+
+    import deepspeed
+    import torch
+    import transformers
+
+    if device_type == "cuda":
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = platform.processor() or platform.machine()
+    return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "device_type": device_type, "device_name": device_name,
+            "hostname": platform.node(), "torch_threads": torch.get_num_threads()}
+
+
+def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
+    from .models import load_model_config
+
+    if cfg.model is not None:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    else:
+        hf = load_model_config(cfg.model_config or "tiny", vocab_size)
+    return {"source": cfg.model or cfg.model_config or "tiny", "architecture": (hf.architectures or [hf.model_type])[0],
+            "hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads,
+            "num_kv_heads": getattr(hf, "num_key_value_heads", hf.num_attention_heads),
+            "intermediate_size": getattr(hf, "intermediate_size", None), "vocab_size": hf.vocab_size}
+
+
+def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dict | None:
+    """The whole bench on this rank; rank 0 writes the report folder and returns the report."""
+    import torch.distributed as dist
+
+    from .report import build_report, write_report_folder
+    from .trainer import init_process_group, prepare_run
+
+    first = prepare_run(cfg)  # every input check before any process group or engine
+    cfg = bench_model_config(cfg, settings, len(first.tokenizer), bench_model_folder(cfg))
+    init_process_group(cfg)
+    runs = {}
+    for name in settings.configurations:
+        run_cfg = dataclasses.replace(cfg, **CONFIGURATIONS[name], overwrite=True)
+        runs[name] = measure_configuration(name, run_cfg, settings.bench_warmup_steps)
+    if dist.get_rank() != 0:
+        return None
+    report = build_report(
+        command=shlex.join([sys.executable, "-m", "ds_packdpo.bench", *argv]),
+        world_size=first.world_size, dataset=cfg.dataset or "synthetic",
+        model=model_summary(cfg, len(first.tokenizer)), environment=environment(first.device_type),
+        settings={**to_dict(cfg), "bench_warmup_steps": settings.bench_warmup_steps,
+                  "configurations": settings.configurations, "row_budget": cfg.row_budget},
+        runs=runs)
+    write_report_folder(report, Path(settings.out), overwrite=cfg.overwrite)
+    print(json.dumps({k: report[k] for k in ("speedup", "ideal_speedup", "speedup_over_ideal")}))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli import run_guarded
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def job() -> int:
+        cfg, settings = parse_bench_args(argv, prog="ds_packdpo.bench")
+        run_bench(cfg, settings, [a for a in argv if not a.startswith("--local_rank")])
+        return 0
+
+    return run_guarded(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Analytic model FLOPs of a DPO step, and the throughput figures built on them (bench and trainer share this).
+
+The count follows the usual dense-transformer convention (Kaplan et al.; PaLM's MFU):
+a forward costs ``2 N`` FLOPs per token for the N matmul parameters (every weight
+except the input embedding, a lookup), a backward twice that, and attention adds
+``4 * layers * d_attn * L^2`` per forward of a sequence of length L (QK^T and AV,
+with d_attn = heads x head_dim, counted without the causal halving).  So one step is
+
+    policy (forward + backward):  6 N tokens + 12 layers d_attn S
+    reference (forward only):     2 N tokens +  4 layers d_attn S
+
+with ``tokens`` the computed tokens (padding included: the hardware runs it) and
+``S`` the attention term of the layout: the sum of squared sequence lengths of a
+packed row, ``rows x width^2`` of a padded micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """What the FLOP count needs to know about the model."""
+
+    matmul_params: int  # N: every parameter but the input embedding
+    layers: int
+    attn_width: int  # d_attn = query heads x head dim
+    with_reference: bool
+
+    @classmethod
+    def of(cls, model, with_reference: bool) -> "FlopModel":
+        """From an HF causal LM (or a DeepSpeed engine around one); counts ZeRO-3-partitioned weights in full."""
+        module = getattr(model, "module", model)
+        embedding = module.get_input_embeddings().weight
+
+        def numel(p) -> int:
+            return int(getattr(p, "ds_numel", p.numel()))
+
+        total = sum(numel(p) for p in module.parameters())
+        config = module.config
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        return cls(matmul_params=total - numel(embedding), layers=int(config.num_hidden_layers),
+                   attn_width=heads * head_dim, with_reference=with_reference)
+
+
+def step_flops(model: FlopModel, computed_tokens: float, attention_sq: float) -> float:
+    """Model FLOPs of one optimizer step over all ranks (see the module docstring for the formula)."""
+    linear = 6.0 * model.matmul_params * computed_tokens
+    attention = 12.0 * model.layers * model.attn_width * attention_sq
+    if model.with_reference:
+        linear += 2.0 * model.matmul_params * computed_tokens
+        attention += 4.0 * model.layers * model.attn_width * attention_sq
+    return linear + attention
+
+
+def row_attention_sq(pairs, chosen_lengths, rejected_lengths, packed: bool) -> int:
+    """The attention term S of one planned row: sum(L^2) packed, rows x width^2 padded (2 rows per pair)."""
+    if not pairs:
+        return 1  # the one-token dummy row
+    index = np.asarray(pairs, dtype=np.int64)
+    lengths = np.concatenate([np.asarray(chosen_lengths)[index], np.asarray(rejected_lengths)[index]]).astype(np.int64)
+    if packed:
+        return int((lengths ** 2).sum())
+    return int(lengths.size * lengths.max() ** 2)
+
+
+def plan_attention_sq(plan, chosen_lengths, rejected_lengths, packed: bool) -> int:
+    """S of a whole step: every row of every rank."""
+    return sum(row_attention_sq(row.pairs, chosen_lengths, rejected_lengths, packed)
+               for rows in plan.ranks for row in rows)
+
+
+class ThroughputMeter:
+    """Model TFLOP/s and MFU of one step, for the trainer's per-step log and the bench."""
+
+    def __init__(self, model: FlopModel, chosen_lengths, rejected_lengths, packed: bool, world_size: int,
+                 peak_tflops: float | None):
+        self.model = model
+        self.lengths = (chosen_lengths, rejected_lengths)
+        self.packed = packed
+        self.world_size = world_size
+        self.peak_tflops = peak_tflops
+
+    def step_flops(self, plan) -> float:
+        computed = sum(plan.rank_computed_tokens)
+        return step_flops(self.model, computed, plan_attention_sq(plan, *self.lengths, self.packed))
+
+    def figures(self, flops: float, seconds: float) -> dict:
+        """``model_tflops_per_s`` (all ranks) and ``mfu`` (None without a peak per device)."""
+        tflops = flops / seconds / 1e12 if seconds > 0 else float("nan")
+        mfu = tflops / (self.peak_tflops * self.world_size) if self.peak_tflops else None
+        return {"model_tflops_per_s": tflops, "mfu": mfu}

@@ -1,0 +1,333 @@
+"""The bench report: ``report.json`` (schema below), ``report.md`` and PNG plots; and the merge of several.
+
+A bench folder holds::
+
+    report.json        the figures (REPORT_SCHEMA / RUN_SCHEMA: every key, always present)
+    report.md          the tables a person reads
+    tokens_per_s.png   real (and computed) tokens/s per configuration
+    rank_load.png      tokens per rank per measured step, one panel per configuration
+    lengths.png        the sequence-length histogram and the fill of the packed rows
+
+``ds-packdpo report DIR [DIR ...] --out OUT`` reads the ``report.json`` of every folder
+and writes one comparison (``merged.json``, ``report.md``, ``tokens_per_s.png``), for
+example across node counts or clusters.  Folders are written into a temporary
+sibling and renamed into place, so a reader never sees a half-written report.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import InputError
+
+SCHEMA_VERSION = 1
+NUMBER = (int, float)
+OPTIONAL_NUMBER = (int, float, type(None))
+
+# key -> (type(s), meaning).  Documented in the README; tests check every key and its type.
+REPORT_SCHEMA = {
+    "schema_version": (int, "version of this schema"),
+    "created_utc": (str, "ISO time the report was written"),
+    "command": (str, "the command line of rank 0"),
+    "world_size": (int, "data-parallel ranks"),
+    "dataset": (str, "dataset path or name ('synthetic' for the embedded one)"),
+    "model": (dict, "source, architecture, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vocab_size"),
+    "environment": (dict, "python, torch, deepspeed, transformers, device_type, device_name, hostname, torch_threads"),
+    "settings": (dict, "every train setting, plus bench_warmup_steps, configurations, row_budget"),
+    "runs": (dict, "configuration name -> figures (RUN_SCHEMA); 'packed' and 'padded' by default"),
+    "speedup": (OPTIONAL_NUMBER, "runs.packed.tokens_per_s / runs.padded.tokens_per_s (null without both)"),
+    "ideal_speedup": (OPTIONAL_NUMBER, "runs.padded.computed_tokens / runs.padded.real_tokens: the speedup if time "
+                                       "were proportional to computed tokens"),
+    "speedup_over_ideal": (OPTIONAL_NUMBER, "speedup / ideal_speedup"),
+}
+RUN_SCHEMA = {
+    "name": (str, "configuration name"),
+    "overrides": (dict, "train settings this configuration overrides"),
+    "attn": (str, "attention backend used"),
+    "packing": (bool, "packed rows (true) or padded micro-batches (false)"),
+    "measured_steps": (int, "optimizer steps measured (after the warm-up steps)"),
+    "tokens_per_s": (NUMBER, "real (non-padding) tokens per second, all ranks"),
+    "pairs_per_s": (NUMBER, "preference pairs per second, all ranks"),
+    "computed_tokens_per_s": (NUMBER, "tokens run through the model per second, padding included"),
+    "step_time_s": (dict, "median, p90, mean, min, max of the step wall time (slowest rank per step)"),
+    "real_tokens": (int, "real tokens of the measured steps"),
+    "computed_tokens": (int, "computed tokens of the measured steps, padding included"),
+    "pairs": (int, "pairs of the measured steps"),
+    "utilization": (NUMBER, "real_tokens / computed_tokens"),
+    "rank_load_max_over_mean": (NUMBER, "worst step's max/mean computed tokens per rank (1.0 = perfectly balanced)"),
+    "rank_load_max_over_mean_mean": (NUMBER, "the same, averaged over the measured steps"),
+    "rows_per_rank_mean": (NUMBER, "forward passes (rows or micro-batches) per rank per step"),
+    "peak_mem_mb": (NUMBER, "highest peak over ranks, MiB"),
+    "peak_mem_mb_per_rank": (list, "peak of each rank, MiB"),
+    "peak_mem_kind": (str, "'rss' (CPU, sampled every 10 ms) or 'cuda_max_allocated'"),
+    "model_flops": (NUMBER, "analytic model FLOPs of the measured steps (flops.py)"),
+    "model_tflops_per_s": (NUMBER, "model_flops / measured time / 1e12, all ranks"),
+    "mfu": (OPTIONAL_NUMBER, "model_tflops_per_s / (peak_tflops x world_size); null without --peak-tflops"),
+    "steps": (list, "per measured step: step, step_time_s, pairs, real_tokens, computed_tokens, rows_per_rank, "
+                    "rank_tokens, rank_computed_tokens, attention_sq, flops, row_fill, sequence_lengths"),
+}
+PLOTS = ("tokens_per_s.png", "rank_load.png", "lengths.png")
+
+
+def _ratio(numerator, denominator):
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def build_report(command: str, world_size: int, dataset: str, model: dict, environment: dict, settings: dict,
+                 runs: dict) -> dict:
+    packed, padded = runs.get("packed"), runs.get("padded")
+    speedup = _ratio(packed["tokens_per_s"], padded["tokens_per_s"]) if packed and padded else None
+    ideal = _ratio(padded["computed_tokens"], padded["real_tokens"]) if padded else None
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command, "world_size": world_size, "dataset": dataset, "model": model,
+        "environment": environment, "settings": settings, "runs": runs,
+        "speedup": speedup, "ideal_speedup": ideal, "speedup_over_ideal": _ratio(speedup, ideal),
+    }
+
+
+def check_report(report, source: str) -> dict:
+    """Every documented key with its type, or InputError naming the file and the key."""
+    if not isinstance(report, dict):
+        raise InputError(f"{source}: expected a JSON object, got {type(report).__name__}")
+
+    def check(node: dict, schema: dict, where: str) -> None:
+        for key, (kind, _) in schema.items():
+            if key not in node:
+                raise InputError(f"{source}: missing key '{where}{key}'")
+            value = node[key]
+            if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+                raise InputError(f"{source}: key '{where}{key}' has type {type(value).__name__}")
+
+    check(report, REPORT_SCHEMA, "")
+    if report["schema_version"] != SCHEMA_VERSION:
+        raise InputError(f"{source}: schema_version {report['schema_version']} (this version reads {SCHEMA_VERSION})")
+    for name, run in report["runs"].items():
+        if not isinstance(run, dict):
+            raise InputError(f"{source}: runs.{name} is not an object")
+        check(run, RUN_SCHEMA, f"runs.{name}.")
+    return report
+
+
+def _as_tuple(kind) -> tuple:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def read_report(folder: str | Path) -> dict:
+    path = Path(folder) / "report.json"
+    if not path.is_file():
+        raise InputError(f"report {folder}: no report.json in the folder")
+    try:
+        return check_report(json.loads(path.read_text()), str(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
+
+
+# ----------------------------------------------------------------------------- writing
+
+def write_atomically(out: Path, overwrite: bool, fill) -> None:
+    """Calls ``fill(tmp_folder)`` then renames the folder to ``out`` (replacing it only with ``overwrite``)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise InputError(f"--out {out}: exists and is not an empty folder (pass --overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        fill(staging)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            out.rename(old / "report")
+            staging.rename(out)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_report_folder(report: dict, out: Path, overwrite: bool = False) -> None:
+    def fill(folder: Path) -> None:
+        (folder / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        (folder / "report.md").write_text(render_markdown(report))
+        plot_report(report, folder)
+
+    write_atomically(out, overwrite, fill)
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+RUN_COLUMNS = [("configuration", lambda r: r["name"]), ("attn", lambda r: r["attn"]),
+               ("tokens/s", lambda r: r["tokens_per_s"]), ("pairs/s", lambda r: r["pairs_per_s"]),
+               ("step s (median)", lambda r: r["step_time_s"]["median"]), ("step s (p90)", lambda r: r["step_time_s"]["p90"]),
+               ("real tokens", lambda r: r["real_tokens"]), ("computed tokens", lambda r: r["computed_tokens"]),
+               ("utilization", lambda r: r["utilization"]), ("rank max/mean", lambda r: r["rank_load_max_over_mean"]),
+               ("fwd/rank/step", lambda r: r["rows_per_rank_mean"]), ("peak MiB", lambda r: r["peak_mem_mb"]),
+               ("model TFLOP/s", lambda r: r["model_tflops_per_s"]), ("MFU", lambda r: r["mfu"])]
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(report: dict) -> str:
+    env, model, settings = report["environment"], report["model"], report["settings"]
+    runs = list(report["runs"].values())
+    text = [
+        f"# ds_packdpo throughput: {report['dataset']}\n",
+        f"{report['world_size']} ranks on {env['device_type']} ({env['device_name']}, host {env['hostname']}, "
+        f"{env['torch_threads']} torch threads per rank); torch {env['torch']}, deepspeed {env['deepspeed']}, "
+        f"transformers {env['transformers']}.\n",
+        f"Model: {model['architecture']} from `{model['source']}`: hidden {model['hidden_size']}, {model['num_layers']} "
+        f"layers, {model['num_heads']} heads ({model['num_kv_heads']} KV), vocab {model['vocab_size']}.\n",
+        f"Settings: max length {settings['max_length']}, row budget {settings['row_budget']}, "
+        f"{settings['global_batch_pairs']} pairs per step, padded micro-batch {settings['micro_batch_pairs']} pairs, "
+        f"{settings['dtype']}, `{settings['ds_config']}`, {settings['bench_warmup_steps']} warm-up + "
+        f"{settings['max_steps']} measured steps per configuration.\n",
+        f"**speedup (packed / padded tokens/s): {_fmt(report['speedup'])}**, ideal speedup (padded computed / real "
+        f"tokens): {_fmt(report['ideal_speedup'])}, speedup / ideal: {_fmt(report['speedup_over_ideal'])}.\n",
+        _table([c for c, _ in RUN_COLUMNS], [[get(r) for _, get in RUN_COLUMNS] for r in runs]),
+        f"\nCommand: `{report['command']}`\n",
+        "\n" + "".join(f"![{p}]({p})\n" for p in PLOTS),
+    ]
+    return "\n".join(text)
+
+
+# ----------------------------------------------------------------------------- plots
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _bar_labels(ax, bars, values):
+    for bar, value in zip(bars, values):
+        ax.annotate(f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom", fontsize=8)
+
+
+def plot_report(report: dict, folder: Path) -> None:
+    plt = _pyplot()
+    runs = report["runs"]
+    names = list(runs)
+    title = f"{Path(report['dataset']).name}, {report['world_size']} ranks, {report['environment']['device_type']}"
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    x = range(len(names))
+    real = [runs[n]["tokens_per_s"] for n in names]
+    computed = [runs[n]["computed_tokens_per_s"] for n in names]
+    _bar_labels(ax, ax.bar([i - 0.2 for i in x], real, 0.4, label="real tokens/s"), real)
+    ax.bar([i + 0.2 for i in x], computed, 0.4, label="computed tokens/s (incl. padding)", alpha=0.5)
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("tokens / s (all ranks)")
+    subtitle = f"speedup {_fmt(report['speedup'])}, ideal {_fmt(report['ideal_speedup'])}" if report["speedup"] else ""
+    ax.set_title(f"Throughput: {title}\n{subtitle}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "tokens_per_s.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), sharey=True, squeeze=False)
+    for ax, name in zip(axes[0], names):
+        steps = runs[name]["steps"]
+        world = len(steps[0]["rank_tokens"])
+        width = 0.8 / world
+        for rank in range(world):
+            xs = [i + rank * width for i in range(len(steps))]
+            ax.bar(xs, [s["rank_computed_tokens"][rank] for s in steps], width, alpha=0.35, color=f"C{rank}")
+            ax.bar(xs, [s["rank_tokens"][rank] for s in steps], width, color=f"C{rank}", label=f"rank {rank}")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(steps))], [str(s["step"]) for s in steps])
+        ax.set_xlabel("step")
+        ax.set_title(f"{name}: utilization {runs[name]['utilization']:.2f}", fontsize=10)
+    axes[0][0].set_ylabel("tokens per rank (solid: real, light: computed)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "rank_load.png", dpi=110)
+    plt.close(fig)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.0, 3.6))
+    first = runs[names[0]]["steps"]
+    left.hist([n for s in first for n in s["sequence_lengths"]], bins=30, color="C0")
+    left.set_xlabel("sequence length (tokens)")
+    left.set_ylabel("sequences")
+    left.set_title("sequence lengths of the measured steps", fontsize=10)
+    fills = [f for n in names if runs[n]["packing"] for s in runs[n]["steps"] for f in s["row_fill"]]
+    if fills:
+        right.hist(fills, bins=20, range=(0, 1), color="C2")
+        right.set_title(f"packed row fill (mean {sum(fills) / len(fills):.2f}, budget "
+                        f"{report['settings']['row_budget']})", fontsize=10)
+    else:
+        right.set_title("no packed configuration", fontsize=10)
+    right.set_xlabel("row tokens / row budget")
+    right.set_ylabel("rows")
+    fig.tight_layout()
+    fig.savefig(folder / "lengths.png", dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- merge
+
+def merge_reports(folders: list[str]) -> dict:
+    """One comparison of several bench folders: a row per (folder, configuration)."""
+    if not folders:
+        raise InputError("report: give at least one bench folder")
+    entries = []
+    for folder in folders:
+        report = read_report(folder)
+        env = report["environment"]
+        for name, run in report["runs"].items():
+            entries.append({
+                "source": str(folder), "configuration": name, "world_size": report["world_size"],
+                "device_type": env["device_type"], "device_name": env["device_name"], "hostname": env["hostname"],
+                "dataset": report["dataset"], "model": report["model"]["source"],
+                **{k: run[k] for k in ("tokens_per_s", "pairs_per_s", "utilization", "peak_mem_mb",
+                                       "model_tflops_per_s", "mfu")},
+                "step_time_median_s": run["step_time_s"]["median"],
+                "speedup": report["speedup"], "ideal_speedup": report["ideal_speedup"],
+            })
+    return {"schema_version": SCHEMA_VERSION, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "sources": [str(f) for f in folders], "entries": entries}
+
+
+MERGE_COLUMNS = ("source", "configuration", "world_size", "device_name", "tokens_per_s", "pairs_per_s",
+                 "step_time_median_s", "utilization", "peak_mem_mb", "mfu", "speedup", "ideal_speedup")
+
+
+def write_merged(merged: dict, out: Path, overwrite: bool = False) -> None:
+    def fill(folder: Path) -> None:
+        (folder / "merged.json").write_text(json.dumps(merged, indent=1) + "\n")
+        rows = [[e[c] for c in MERGE_COLUMNS] for e in merged["entries"]]
+        (folder / "report.md").write_text("# ds_packdpo throughput comparison\n\n" + _table(list(MERGE_COLUMNS), rows)
+                                          + "\n![tokens per second](tokens_per_s.png)\n")
+        plt = _pyplot()
+        entries = merged["entries"]
+        fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(entries)), 4.0))
+        labels = [f"{Path(e['source']).name}\n{e['configuration']} ({e['world_size']}r)" for e in entries]
+        colors = [f"C{merged['sources'].index(e['source']) % 10}" for e in entries]
+        values = [e["tokens_per_s"] for e in entries]
+        _bar_labels(ax, ax.bar(range(len(entries)), values, color=colors), values)
+        ax.set_xticks(range(len(entries)), labels, fontsize=8)
+        ax.set_ylabel("real tokens / s (all ranks)")
+        ax.set_title("Throughput per bench folder and configuration", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(folder / "tokens_per_s.png", dpi=110)
+        plt.close(fig)
+
+    write_atomically(out, overwrite, fill)

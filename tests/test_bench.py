@@ -1,0 +1,158 @@
+"""The bench and its report: one real 2-rank bench launch checked for consistency, the report schema,
+the merge of two bench folders, the plots, and the FLOP formula."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+
+import pytest
+import torch
+
+from ds_packdpo import cli
+from ds_packdpo.errors import InputError
+from ds_packdpo.flops import FlopModel, row_attention_sq, step_flops
+from ds_packdpo.models import build_model, tiny_config
+from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, check_report, merge_reports, read_report,
+                               write_merged)
+
+from launching import deepspeed_module, run
+
+
+# ---- FLOP formula -------------------------------------------------------------------------------
+
+def test_step_flops_formula_by_hand():
+    model = FlopModel(matmul_params=1000, layers=2, attn_width=8, with_reference=True)
+    # policy 6*N*T + 12*l*d*S, reference 2*N*T + 4*l*d*S
+    assert step_flops(model, computed_tokens=10, attention_sq=50) == 6 * 1000 * 10 + 12 * 2 * 8 * 50 + 2 * 1000 * 10 + 4 * 2 * 8 * 50
+    no_ref = FlopModel(matmul_params=1000, layers=2, attn_width=8, with_reference=False)
+    assert step_flops(no_ref, 10, 50) == 6 * 1000 * 10 + 12 * 2 * 8 * 50
+
+
+def test_attention_term_is_sum_of_squares_packed_and_rows_times_width_squared_padded():
+    chosen, rejected = [3, 10, 4], [5, 2, 7]
+    assert row_attention_sq((0, 2), chosen, rejected, packed=True) == 3**2 + 4**2 + 5**2 + 7**2
+    assert row_attention_sq((0, 2), chosen, rejected, packed=False) == 4 * 7**2  # 4 rows padded to 7
+    assert row_attention_sq((), chosen, rejected, packed=True) == 1  # the dummy row
+
+
+def test_flop_model_counts_every_weight_but_the_input_embedding():
+    model = build_model(None, "tiny", 300, torch.float32, "sdpa", seed=0)
+    flop_model = FlopModel.of(model, with_reference=False)
+    total = sum(p.numel() for p in model.parameters())
+    config = tiny_config(vocab_size=300)
+    assert flop_model.matmul_params == total - 300 * config.hidden_size
+    assert (flop_model.layers, flop_model.attn_width) == (config.num_hidden_layers, config.hidden_size)
+
+
+# ---- one real bench launch ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bench_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    out = root / "tiny"
+    run(deepspeed_module(2, "ds_packdpo.bench", "--synthetic-pairs", "48", "--max-length", "64",
+                         "--global-batch-pairs", "8", "--micro-batch-pairs", "2", "--model-config", "tiny",
+                         "--max-steps", "3", "--bench-warmup-steps", "1", "--cache-dir", str(root / "cache"),
+                         "--out", str(out), "--no-progress"), timeout=600)
+    return out
+
+
+@pytest.mark.multirank
+def test_bench_report_is_consistent(bench_folder):
+    report = read_report(bench_folder)  # checks every documented key and its type
+    packed, padded = report["runs"]["packed"], report["runs"]["padded"]
+    assert report["world_size"] == 2 and report["dataset"] == "synthetic"
+    assert packed["attn"] == padded["attn"] == "sdpa_varlen" and packed["packing"] and not padded["packing"]
+    # the same pairs in the same steps, laid out differently
+    assert packed["real_tokens"] == padded["real_tokens"] and packed["pairs"] == padded["pairs"] == 3 * 8
+    assert [s["sequence_lengths"] for s in packed["steps"]] == [s["sequence_lengths"] for s in padded["steps"]]
+    assert packed["computed_tokens"] == packed["real_tokens"] and packed["utilization"] == 1.0
+    assert padded["computed_tokens"] > padded["real_tokens"] and padded["utilization"] < 1.0
+    for run_ in (packed, padded):
+        steps = run_["steps"]
+        total_time = sum(s["step_time_s"] for s in steps)
+        assert run_["measured_steps"] == len(steps) == 3 and [s["step"] for s in steps] == [2, 3, 4]
+        assert run_["tokens_per_s"] == pytest.approx(run_["real_tokens"] / total_time)
+        assert run_["pairs_per_s"] == pytest.approx(run_["pairs"] / total_time)
+        assert run_["step_time_s"]["median"] == pytest.approx(statistics.median(s["step_time_s"] for s in steps))
+        assert run_["step_time_s"]["min"] <= run_["step_time_s"]["median"] <= run_["step_time_s"]["p90"] <= run_["step_time_s"]["max"]
+        for step in steps:
+            assert sum(step["rank_tokens"]) == step["real_tokens"] and sum(step["rank_computed_tokens"]) == step["computed_tokens"]
+            assert step["computed_tokens"] >= step["real_tokens"] and len(step["rank_tokens"]) == 2
+        assert run_["rank_load_max_over_mean"] >= 1.0 and len(run_["peak_mem_mb_per_rank"]) == 2
+        assert run_["peak_mem_kind"] == "rss" and 50 < run_["peak_mem_mb"] < 20_000 and run_["mfu"] is None
+    assert report["speedup"] == pytest.approx(packed["tokens_per_s"] / padded["tokens_per_s"])
+    assert report["ideal_speedup"] == pytest.approx(padded["computed_tokens"] / padded["real_tokens"])
+    assert report["speedup_over_ideal"] == pytest.approx(report["speedup"] / report["ideal_speedup"])
+    # the analytic FLOPs are the formula applied to the model the bench built
+    model = report["model"]
+    flop_model = FlopModel.of(build_model(None, "tiny", model["vocab_size"], torch.float32, "sdpa"), with_reference=True)
+    for step in packed["steps"]:
+        assert step["attention_sq"] == sum(n * n for n in step["sequence_lengths"])
+    for run_ in (packed, padded):
+        for step in run_["steps"]:
+            assert step["flops"] == pytest.approx(step_flops(flop_model, step["computed_tokens"], step["attention_sq"]))
+        assert run_["model_tflops_per_s"] == pytest.approx(
+            run_["model_flops"] / sum(s["step_time_s"] for s in run_["steps"]) / 1e12)
+    markdown = (bench_folder / "report.md").read_text()
+    assert "| packed | sdpa_varlen |" in markdown and "| padded | sdpa_varlen |" in markdown
+    assert f"{report['speedup']:.3g}" in markdown and "ds_packdpo.bench" in markdown
+    assert not [p for p in bench_folder.parent.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+@pytest.mark.multirank
+def test_plots_are_png_images(bench_folder):
+    for name in PLOTS:
+        data = (bench_folder / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+
+
+# ---- schema and merge ---------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_schema_check_names_a_missing_or_mistyped_key(bench_folder, tmp_path):
+    report = json.loads((bench_folder / "report.json").read_text())
+    assert set(REPORT_SCHEMA) <= set(report) and all(set(RUN_SCHEMA) <= set(r) for r in report["runs"].values())
+    broken = json.loads(json.dumps(report))
+    del broken["runs"]["padded"]["tokens_per_s"]
+    with pytest.raises(InputError, match="runs.padded.tokens_per_s"):
+        check_report(broken, "x/report.json")
+    broken = json.loads(json.dumps(report))
+    broken["world_size"] = "2"
+    with pytest.raises(InputError, match="'world_size' has type str"):
+        check_report(broken, "x/report.json")
+
+
+@pytest.mark.multirank
+def test_merge_of_two_bench_folders(bench_folder, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(bench_folder, other)
+    changed = json.loads((other / "report.json").read_text())
+    changed["world_size"] = 4
+    changed["runs"]["packed"]["tokens_per_s"] *= 2
+    (other / "report.json").write_text(json.dumps(changed))
+    out = tmp_path / "merged"
+    assert cli.main(["report", str(bench_folder), str(other), "--out", str(out)]) == 0
+    merged = json.loads((out / "merged.json").read_text())
+    assert merged["entries"] == merge_reports([str(bench_folder), str(other)])["entries"]
+    entries = {(e["source"], e["configuration"]): e for e in merged["entries"]}
+    assert len(entries) == 4 and entries[(str(other), "packed")]["world_size"] == 4
+    assert entries[(str(other), "packed")]["tokens_per_s"] == 2 * entries[(str(bench_folder), "packed")]["tokens_per_s"]
+    assert (out / "report.md").read_text().count("| padded |") == 2
+    assert (out / "tokens_per_s.png").read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["report", str(bench_folder), "--out", str(out)]) == 2  # exists: needs --overwrite
+    assert cli.main(["report", str(tmp_path / "nope"), "--out", str(tmp_path / "m2")]) == 2
+    assert not (tmp_path / "m2").exists()
+    write_merged(merge_reports([str(other)]), out, overwrite=True)
+    assert len(json.loads((out / "merged.json").read_text())["entries"]) == 2
+
+
+def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):
+    assert cli.main(["bench", "--configurations", "packed,nope", "--out", str(tmp_path / "b")]) == 2
+    assert "--configurations: unknown nope" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert cli.main(["bench", "--out", str(tmp_path / "full")]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
