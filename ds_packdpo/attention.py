@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from .collate import ModelBatch
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
+# The attention_implementation name of DeepSpeed-Ulysses (ds_packdpo.sequence_parallel registers it).
+ULYSSES_ATTN = "ds_packdpo_ulysses"
 ATTN_CHOICES = ("auto", "sdpa", "eager", "flex_attention", *FLASH_BACKENDS)
 
 
@@ -94,6 +96,6 @@ def model_forward_kwargs(batch: ModelBatch, attn: str) -> dict:
     kwargs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
     if batch.attention_mask is not None:
         kwargs["attention_mask"] = batch.attention_mask
-    elif is_flash(attn) and batch.cu_seqlens is not None:
+    elif (is_flash(attn) or attn == ULYSSES_ATTN) and batch.cu_seqlens is not None:
         kwargs.update(flash_varlen_kwargs(batch.cu_seqlens, batch.max_seqlen))
     return kwargs
