@@ -176,17 +176,22 @@ def segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     return out
 
 
-def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                 *, scale: float | None = None) -> torch.Tensor:
-    """flash-attn's varlen kernel (CUDA; imported only when called)."""
-    from flash_attn import flash_attn_varlen_func
+def flash_varlen(attn: str) -> LocalVarlenAttention:
+    """The varlen kernel of flash-attn 2 or 3 (CUDA), resolved by transformers, imported only here."""
+    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
 
-    cu = cu_seqlens.to(dtype=torch.int32)
-    return flash_attn_varlen_func(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), softmax_scale=scale, causal=True)
+    varlen_fn = lazy_import_flash_attention(attn)[0][1]
+
+    def attend(q, k, v, cu_seqlens, max_seqlen, *, scale=None):
+        cu = cu_seqlens.to(dtype=torch.int32)
+        out = varlen_fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out  # some flash-attn 3 builds also return the LSE
+
+    return attend
 
 
 def local_attention_for(attn: str) -> LocalVarlenAttention:
-    return flash_varlen if is_flash(attn) else segment_sdpa
+    return flash_varlen(attn) if is_flash(attn) else segment_sdpa
 
 
 # ----------------------------------------------------------------------------- Ulysses through transformers

@@ -1,8 +1,13 @@
-"""Sequence parallelism: slicing and labels (pure), Ulysses + all-reduced log-probs on 2 in-process gloo ranks."""
+"""Sequence parallelism: slicing and labels (pure), Ulysses + all-reduced log-probs on 2 in-process gloo ranks.
+
+The end-to-end trajectory under --sequence-parallel-size 2 (with pairs longer than one
+rank's budget) is a layout of tests/test_trainer_multirank.py, next to the references it equals.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -132,3 +137,24 @@ def test_ulysses_logps_and_gradients_equal_one_rank():
             assert res["logps_diff"] < 1e-4 and res["logits_diff"] < 1e-3, (rank, kv_heads, res)
             assert res["tokens_equal"], (rank, kv_heads, res)
             assert res["grad_rel"] < 1e-5, (rank, kv_heads, res)
+
+
+@pytest.mark.parametrize("env, flags, message", [
+    # the budget the S=2 layout of test_trainer_multirank.py trains with is refused at S=1, naming the way out
+    ({}, ["--max-tokens-per-row", "100"],
+     r"^error: pair \d+ needs 1\d\d tokens .* but --max-tokens-per-row is 100; .* --sequence-parallel-size$"),
+    ({"WORLD_SIZE": "3"}, ["--sequence-parallel-size", "3"],
+     r"^error: --sequence-parallel-size 3: --model-config tiny has 4 attention heads, not divisible by 3"),
+])
+def test_impossible_layout_fails_before_process_group(tmp_path, env, flags, message):
+    import re
+
+    from launching import cpu_env, run
+
+    proc = run([sys.executable, "-m", "ds_packdpo.train", "--output-dir", str(tmp_path / "out"), "--cache-dir",
+                str(tmp_path / "cache"), "--synthetic-pairs", "48", "--max-length", "96", *flags],
+               timeout=300, check=False, env=cpu_env(**env))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.search(message, last), last
+    assert not (tmp_path / "out").exists()
