@@ -37,7 +37,10 @@ if TYPE_CHECKING:
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
 SDPA_VARLEN = "sdpa_varlen"
-VARLEN_BACKENDS = (*FLASH_BACKENDS, SDPA_VARLEN)  # backends that take the boundaries as cu_seqlens kwargs
+# The attention_implementation name of DeepSpeed-Ulysses (ds_packdpo.sequence_parallel registers it).
+ULYSSES_ATTN = "ds_packdpo_ulysses"
+# Backends that take the boundaries as cu_seqlens kwargs.
+VARLEN_BACKENDS = (*FLASH_BACKENDS, SDPA_VARLEN, ULYSSES_ATTN)
 ATTN_CHOICES = ("auto", SDPA_VARLEN, "sdpa", "eager", "flex_attention", *FLASH_BACKENDS)
 
 

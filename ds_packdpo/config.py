@@ -90,6 +90,10 @@ class TrainConfig:
     ref_offload: bool = _opt("Offload the reference parameters to CPU (ZeRO-3).", False)
     collective_timeout_s: float = _opt("Seconds before a stalled collective (e.g. a dead rank) ends the run.", 600.0)
     skip_packing_check: bool = _opt("Skip the start-up check that packed log-probs equal unpacked ones.", False)
+    # --- sequence parallelism ---
+    sequence_parallel_size: int = _opt(
+        "Split every packed row along its tokens over this many consecutive ranks (DeepSpeed-Ulysses attention, "
+        "per-sequence log-probs all-reduced); the row budget becomes this x --max-tokens-per-row.", 1)
     # --- throughput (MFU in the per-step log and the bench) ---
     peak_tflops: float | None = _opt("Peak TFLOP/s of one device at the run's precision, for MFU (logged on GPU only; "
                                      "e.g. 989 for an H100 SXM in bf16).")
@@ -126,7 +130,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need nothing but the settings themselves."""
-        positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "logps_chunk_tokens"]
+        positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "logps_chunk_tokens",
+                    "sequence_parallel_size"]
         for key in positive:
             if getattr(self, key) < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {getattr(self, key)}")

@@ -114,6 +114,15 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
                        ("gradient_accumulation_steps", 1)):
         ds.setdefault(key, value)
     ds.setdefault("bf16", {"enabled": bf16})
+    if cfg.sequence_parallel_size > 1:
+        if zero_stage(ds) == 3 and ds["zero_optimization"].get("reduce_scatter") is False:
+            # Without reduce-scatter ZeRO-3 averages some gradient buckets over W/S ranks and others over W.
+            raise InputError(f"--ds-config {source}: 'zero_optimization.reduce_scatter': false with "
+                             f"--sequence-parallel-size {cfg.sequence_parallel_size} (ZeRO-3 then scales gradients "
+                             f"inconsistently); remove it")
+        # Read by the DeepSpeedConfig that transformers' zero.Init builds without an mpu: its batch check
+        # counts data-parallel ranks only (world / this), like the engines given the mpu.
+        ds["sequence_parallel_size"] = cfg.sequence_parallel_size
     optimizer = ds.get("optimizer")
     if device_type == "cpu" and optimizer and optimizer.get("type", "").lower() in ("adam", "adamw"):
         # DeepSpeed would otherwise JIT-compile FusedAdam/CPUAdam, which needs a toolchain and minutes.
@@ -155,13 +164,17 @@ def _build(cfg: TrainConfig, ds_config: dict, model_path: str | None, vocab_size
     return model, keep_alive
 
 
-def build_engines(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str):
-    """Returns (policy engine, reference model or engine); no reference for SimPO or with --ref-logps."""
+def build_engines(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
+    """Returns (policy engine, reference model or engine); no reference for SimPO or with --ref-logps.
+
+    ``mpu`` (sequence parallelism) tells DeepSpeed the sequence-parallel groups: ZeRO then shards over
+    all ranks and averages gradients over the data-parallel replicas only.
+    """
     import deepspeed
 
     policy_model, keep_alive = _build(cfg, ds_config, cfg.model, vocab_size, attn)
     params = [p for p in policy_model.parameters() if p.requires_grad]
-    policy, _, _, _ = deepspeed.initialize(model=policy_model, model_parameters=params, config=ds_config)
+    policy, _, _, _ = deepspeed.initialize(model=policy_model, model_parameters=params, config=ds_config, mpu=mpu)
     del keep_alive
     if cfg.loss == "simpo" or cfg.ref_logps is not None:
         return policy, None
@@ -178,7 +191,7 @@ def build_reference(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: st
     ref_model.eval()
     ref_model.requires_grad_(False)
     if zero_stage(ref_ds) == 3:
-        reference, _, _, _ = deepspeed.initialize(model=ref_model, config=ref_ds)
+        reference, _, _, _ = deepspeed.initialize(model=ref_model, config=ref_ds, mpu=mpu)
         reference.eval()
     else:
         # ZeRO 0-2 shard only optimizer state and gradients; a frozen model has neither, so it stays whole.
@@ -187,14 +200,17 @@ def build_reference(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: st
     return reference
 
 
-def model_hidden_size(cfg: TrainConfig, vocab_size: int) -> int:
-    """Hidden size from the model config alone (cheap), for DeepSpeed's bucket sizes."""
+def model_config(cfg: TrainConfig, vocab_size: int):
+    """The policy's HF config alone (cheap: no weights)."""
     from .models import load_model_config
 
     if cfg.model is not None:
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    else:
-        hf = load_model_config(cfg.model_config or "tiny", vocab_size)
-    return int(getattr(hf, "hidden_size", 1024))
+        return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    return load_model_config(cfg.model_config or "tiny", vocab_size)
+
+
+def model_hidden_size(cfg: TrainConfig, vocab_size: int) -> int:
+    """Hidden size from the model config, for DeepSpeed's bucket sizes."""
+    return int(getattr(model_config(cfg, vocab_size), "hidden_size", 1024))

@@ -131,7 +131,7 @@ def _evaluating(model):
         model.train(was_training)
 
 
-def _each_sequence_alone(model, padded, attn: str) -> torch.Tensor:
+def _each_sequence_alone(model, padded, attn: str, forward=forward_logps) -> torch.Tensor:
     """Log-probs [S] with every row of a padded batch cut to its own length and run as a batch of one, no mask."""
     total = torch.zeros(padded.num_sequences, device=padded.input_ids.device)
     for row, length in enumerate(padded.attention_mask.sum(dim=1).tolist()):
@@ -140,18 +140,19 @@ def _each_sequence_alone(model, padded, attn: str) -> torch.Tensor:
             padded, input_ids=padded.input_ids[cut], position_ids=padded.position_ids[cut], attention_mask=None,
             labels=padded.labels[cut], seq_index=padded.seq_index[cut], cu_seqlens=None, max_seqlen=length,
             real_tokens=length, computed_tokens=length)
-        total += forward_logps(model, alone, attn).logps  # zero everywhere but this sequence's slot
+        total += forward(model, alone, attn).logps  # zero everywhere but this sequence's slot
     return total
 
 
 def packing_exactness(model, sequences_pairs: list[dict], attn: str, pad_token_id: int, device=None,
-                      tolerance: float | None = None) -> dict:
+                      tolerance: float | None = None, forward=forward_logps) -> dict:
     """Per-sequence log-probs of the pairs packed in one row vs each sequence alone.
 
     ``tolerance`` defaults to 1e-4 absolute in fp32 and to 1e-3 of |logps| per
     sequence in bf16/fp16.  The number of forwards depends on the pairs only (1 +
     2 * pairs), so every rank of a ZeRO-3 job runs them together.  Pass ``device``
-    (the compute device) when parameters may live elsewhere (ZeRO-3 parameter offload).
+    (the compute device) when parameters may live elsewhere (ZeRO-3 parameter offload); ``forward``
+    replaces :func:`forward_logps` (sequence parallelism runs both sides split over its group).
     """
     if not sequences_pairs:
         raise ValueError("packing_exactness needs at least one pair")
@@ -159,8 +160,9 @@ def packing_exactness(model, sequences_pairs: list[dict], attn: str, pad_token_i
     device = parameter.device if device is None else torch.device(device)
     index = list(range(len(sequences_pairs)))
     with torch.no_grad(), _evaluating(model):
-        packed = forward_logps(model, collate_packed(sequences_pairs, index, pad_token_id).to(device), attn)
-        alone = _each_sequence_alone(model, collate_padded(sequences_pairs, index, pad_token_id).to(device), attn)
+        packed = forward(model, collate_packed(sequences_pairs, index, pad_token_id).to(device), attn)
+        alone = _each_sequence_alone(model, collate_padded(sequences_pairs, index, pad_token_id).to(device), attn,
+                                     forward)
     abs_diff = (packed.logps - alone).abs()
     rel_diff = abs_diff / alone.abs().clamp_min(1.0)
     relative = parameter.dtype in (torch.bfloat16, torch.float16)
@@ -179,10 +181,11 @@ def packing_exactness(model, sequences_pairs: list[dict], attn: str, pad_token_i
     }
 
 
-def assert_packing_exact(model, attn: str, vocab_size: int, pad_token_id: int, device=None) -> dict:
+def assert_packing_exact(model, attn: str, vocab_size: int, pad_token_id: int, device=None,
+                         forward=forward_logps) -> dict:
     """The start-up guard: one fixed synthetic pair (two sequences), identical on every rank."""
     result = packing_exactness(model, synthetic_pairs(1, vocab_size, seed=0, max_tokens=12), attn, pad_token_id,
-                               device)
+                               device, forward=forward)
     if not result["ok"]:
         measured = result["max_rel_diff_logps"] if result["tolerance_kind"] == "relative" else result["max_abs_diff_logps"]
         raise PackingNotExactError(

@@ -157,7 +157,8 @@ def validate_lengths(chosen_lengths, rejected_lengths, cfg: PlanConfig, pair_ids
         raise InputError(
             f"{name(i)} needs {int(pair_tokens[i])} tokens (prompt+chosen {int(chosen[i])} + prompt+rejected "
             f"{int(rejected[i])}) but --max-tokens-per-row is {cfg.max_tokens_per_row}{others}; raise "
-            f"--max-tokens-per-row to >= {int(pair_tokens[i])} or lower --max-length to <= {cfg.max_tokens_per_row // 2}"
+            f"--max-tokens-per-row to >= {int(pair_tokens[i])} or lower --max-length to <= {cfg.max_tokens_per_row // 2}, "
+            f"or split rows over ranks with --sequence-parallel-size"
         )
     if cfg.drop_last:
         if cfg.global_batch_pairs is not None and cfg.global_batch_pairs > chosen.size:

@@ -223,11 +223,12 @@ def load_precomputed_reference(run) -> PrecomputedReference | None:
     return PrecomputedReference.load(run.cfg.ref_logps, reference_fingerprint(run), run.prepared.dataset["pair_id"])
 
 
-def reference_logps(reference, batch, attn: str, chunk_tokens: int, impl: str) -> SequenceLogps | None:
-    """The reference log-probs of ``batch``: looked up, run without gradients, or None (SimPO)."""
+def reference_logps(reference, batch, attn: str, chunk_tokens: int, impl: str,
+                    forward=forward_logps) -> SequenceLogps | None:
+    """The reference log-probs of ``batch``: looked up, run without gradients (by ``forward``), or None (SimPO)."""
     if reference is None:
         return None
     if isinstance(reference, PrecomputedReference):
         return reference.sequence_logps(batch)
     with torch.no_grad():
-        return forward_logps(reference, batch, attn, chunk_tokens, impl)
+        return forward(reference, batch, attn, chunk_tokens, impl)

@@ -72,6 +72,17 @@ class PreparedRun:
     loss_cfg: object
     resume: object = None  # checkpoint.ResumePoint, or None for a fresh start
 
+    @property
+    def model_attn(self) -> str:
+        """The model's attn_implementation: Ulysses (around ``attn``) under sequence parallelism."""
+        from .attention import ULYSSES_ATTN
+
+        return ULYSSES_ATTN if self.cfg.sequence_parallel_size > 1 else self.attn
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
 
 def _tokenizer_and_rows(cfg: TrainConfig):
     from .synthetic import default_tokenizer, synthetic_preference_rows
@@ -136,14 +147,23 @@ def prepare_run(cfg: TrainConfig, world_size: int | None = None) -> PreparedRun:
     raw_ds, ds_source = load_ds_config(cfg.ds_config)
     check_output_dir(cfg)
     tokenizer, rows = _tokenizer_and_rows(cfg)
-    ds_config = fill_ds_config(raw_ds, ds_source, cfg, world_size, model_hidden_size(cfg, len(tokenizer)), device_type)
-    plan_cfg = PlanConfig(max_tokens_per_row=cfg.row_budget, world_size=world_size, seed=cfg.seed,
+    dp_world_size = check_sequence_parallel_settings(cfg, world_size, attn, len(tokenizer))
+    ds_config = fill_ds_config(raw_ds, ds_source, cfg, dp_world_size, model_hidden_size(cfg, len(tokenizer)),
+                               device_type)
+    # Under sequence parallelism a row is shared by the S ranks of a group: S x the per-rank budget.
+    plan_cfg = PlanConfig(max_tokens_per_row=cfg.row_budget * cfg.sequence_parallel_size, world_size=dp_world_size,
+                          seed=cfg.seed,
                           global_batch_pairs=cfg.batch_pairs, tokens_per_step=cfg.tokens_per_step,
                           drop_last=cfg.drop_last, attention_weight=cfg.attention_weight,
                           packing=not cfg.no_packing, micro_batch_pairs=cfg.micro_batch_pairs)
     prepared = prepare_data(cfg, tokenizer, rows)
     if len(prepared.chosen_lengths) == 0:
         raise InputError(f"--dataset {cfg.dataset or 'synthetic'}: no pairs left after validation and truncation")
+    if cfg.sequence_parallel_size > 1:
+        from .sequence_parallel import check_pairs_fit
+
+        check_pairs_fit(prepared.chosen_lengths, prepared.rejected_lengths, cfg.row_budget,
+                        cfg.sequence_parallel_size, prepared.dataset["pair_id"])
     validate_lengths(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg,
                      pair_ids=prepared.dataset["pair_id"])
     resume = check_resume(cfg, prepared.fingerprint, world_size, zero_stage(ds_config))
@@ -152,6 +172,23 @@ def prepare_run(cfg: TrainConfig, world_size: int | None = None) -> PreparedRun:
 
 # Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def check_sequence_parallel_settings(cfg: TrainConfig, world_size: int, attn: str, vocab_size: int) -> int:
+    """The data-parallel size (world / --sequence-parallel-size), or InputError for a layout that cannot work."""
+    from .engine import model_config
+    from .sequence_parallel import check_attention, check_model_heads, data_parallel_size
+
+    sp_size = cfg.sequence_parallel_size
+    dp_world_size = data_parallel_size(world_size, sp_size)
+    if sp_size > 1:
+        check_attention(attn, sp_size)
+        if cfg.no_packing:
+            raise InputError(f"--sequence-parallel-size {sp_size} splits packed rows; it cannot be combined with "
+                             f"--no-packing")
+        where = f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
+        check_model_heads(model_config(cfg, vocab_size), sp_size, where)
+    return dp_world_size
 
 
 def init_process_group(cfg: TrainConfig) -> None:
@@ -192,20 +229,31 @@ class StepTimer:
 class DPOTrainer:
     """Runs the plan on the engines and reports one metrics record per optimizer step."""
 
-    def __init__(self, run: PreparedRun, policy, reference):
+    def __init__(self, run: PreparedRun, policy, reference, sequence_parallel=None):
         import torch.distributed as dist
+
+        from .engine import zero_stage
+        from .logps import forward_logps
+        from .sequence_parallel import gradient_average_size
 
         self.run = run
         self.cfg = run.cfg
         self.policy = policy
         self.reference = reference
         self.rank = dist.get_rank()
-        self.dp_world_size = dist.get_world_size()
+        sp_size = self.cfg.sequence_parallel_size
+        # Consecutive ranks share a row: rank r runs the rows the plan deals to data-parallel rank r // S.
+        self.plan_rank = self.rank // sp_size
+        self.dp_world_size = dist.get_world_size() // sp_size
+        self.gradient_average_size = gradient_average_size(zero_stage(run.ds_config), dist.get_world_size(), sp_size)
         if self.dp_world_size != run.plan_cfg.world_size:
-            raise RuntimeError(f"process group has {self.dp_world_size} ranks but the launcher announced "
-                               f"{run.plan_cfg.world_size}")
+            raise RuntimeError(f"process group has {dist.get_world_size()} ranks but the launcher announced "
+                               f"{run.plan_cfg.world_size * sp_size}")
+        self.forward_logps = sequence_parallel.forward_logps if sequence_parallel else forward_logps
+        # The S ranks of a group hold the same whole-sequence sums: only the first one counts them in the metrics.
+        self.counts_metrics = sequence_parallel is None or sequence_parallel.rank == 0
         self.device = policy.device
-        self.pad_token_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+        self.pad_token_id = run.pad_token_id
         self.columns = run.prepared.dataset
 
     # ------------------------------------------------------------------
@@ -225,7 +273,8 @@ class DPOTrainer:
     def _reference_logps(self, batch):
         from .reference import reference_logps
 
-        return reference_logps(self.reference, batch, self.run.attn, self.cfg.logps_chunk_tokens, self.cfg.logps_impl)
+        return reference_logps(self.reference, batch, self.run.model_attn, self.cfg.logps_chunk_tokens,
+                               self.cfg.logps_impl, forward=self.forward_logps)
 
     def _skip_if_any_rank_bad(self, loss, bad):
         """Makes a step with a non-finite loss on any rank a step DeepSpeed skips, on every rank alike.
@@ -250,10 +299,9 @@ class DPOTrainer:
         import torch
         import torch.distributed as dist
 
-        from .logps import forward_logps
         from .losses import global_normalized_loss, metric_means, metric_sums, pair_losses
 
-        rows = plan.ranks[self.rank]
+        rows = plan.ranks[self.plan_rank]
         sums: dict[str, torch.Tensor] = {}
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         lr = self.policy.get_lr()[0] if self.policy.get_lr() else self.cfg.lr
@@ -261,12 +309,13 @@ class DPOTrainer:
             batch = self._row_batch(row)
             ref = self._reference_logps(batch)
             self.policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
-            pol = forward_logps(self.policy, batch, self.run.attn, self.cfg.logps_chunk_tokens, self.cfg.logps_impl)
+            pol = self.forward_logps(self.policy, batch, self.run.model_attn, self.cfg.logps_chunk_tokens,
+                                     self.cfg.logps_impl)
             losses, per_pair = pair_losses(pol, ref, self.run.loss_cfg)
             if inject_nan:
                 losses = losses * float("nan")
             bad |= ~torch.isfinite(losses.detach()).all()
-            loss = global_normalized_loss(losses, plan.num_pairs, self.dp_world_size)
+            loss = global_normalized_loss(losses, plan.num_pairs, self.gradient_average_size)
             if i == len(rows) - 1:
                 loss = self._skip_if_any_rank_bad(loss, bad)
             self.policy.backward(loss, scale_wrt_gas=False)
@@ -276,7 +325,7 @@ class DPOTrainer:
             row_sums["real_tokens"] = torch.tensor(float(batch.real_tokens), device=self.device)
             row_sums["computed_tokens"] = torch.tensor(float(batch.computed_tokens), device=self.device)
             for key, value in row_sums.items():
-                sums[key] = sums.get(key, 0.0) + value.detach().float()
+                sums[key] = sums.get(key, 0.0) + value.detach().float() * float(self.counts_metrics)
         keys = sorted(sums)
         packed = torch.stack([torch.as_tensor(sums[k], device=self.device).reshape(()) for k in keys])
         dist.all_reduce(packed)  # one collective per step for every metric
@@ -345,13 +394,19 @@ def train(cfg: TrainConfig) -> list[dict]:
     resume = run.resume
     precomputed = load_precomputed_reference(run)  # the --ref-logps file, checked before any process group
     init_process_group(cfg)
-    policy, reference = build_engines(cfg, run.ds_config, len(run.tokenizer), run.attn)
-    trainer = DPOTrainer(run, policy, precomputed or reference)
+    sequence_parallel = mpu = None
+    if cfg.sequence_parallel_size > 1:
+        from .sequence_parallel import init_sequence_parallel
+
+        sequence_parallel, mpu = init_sequence_parallel(cfg.sequence_parallel_size, run.attn, run.pad_token_id)
+    policy, reference = build_engines(cfg, run.ds_config, len(run.tokenizer), run.model_attn, mpu)
+    trainer = DPOTrainer(run, policy, precomputed or reference, sequence_parallel)
     checkpointer = Checkpointer(cfg, run, trainer.rank, trainer.dp_world_size, zero_stage(run.ds_config))
     if resume is not None:
         checkpointer.restore(policy, resume)
     if not cfg.no_packing and not cfg.skip_packing_check:
-        assert_packing_exact(policy, run.attn, len(run.tokenizer), trainer.pad_token_id, device=trainer.device)
+        assert_packing_exact(policy, run.model_attn, len(run.tokenizer), trainer.pad_token_id, device=trainer.device,
+                             forward=trainer.forward_logps)
 
     steps = total_steps(run)
     start = resume or ResumePoint(None, epoch=0, epoch_step=0, global_step=0, bad_steps=0)

@@ -157,7 +157,8 @@ def test_pair_over_budget_names_the_fix():
     chosen[17], rejected[17] = 2600, 2610
     cfg = PlanConfig(max_tokens_per_row=4096)
     message = ("pair 17 needs 5210 tokens (prompt+chosen 2600 + prompt+rejected 2610) but --max-tokens-per-row "
-               "is 4096; raise --max-tokens-per-row to >= 5210 or lower --max-length to <= 2048")
+               "is 4096; raise --max-tokens-per-row to >= 5210 or lower --max-length to <= 2048, or split rows over "
+               "ranks with --sequence-parallel-size")
     with pytest.raises(InputError) as caught:
         list(iter_plan(chosen, rejected, cfg, 1))
     assert str(caught.value) == message

@@ -19,12 +19,16 @@ def launch(tmp_path: Path, name: str, procs: int, *flags: str) -> list[dict]:
 
 @pytest.mark.multirank
 def test_trajectory_independent_of_layout(tmp_path):
-    """Invariant 2: world size 1 vs 2, packed vs padded, large vs small row budget give one trajectory."""
+    """Invariant 2: world size 1 vs 2, packed vs padded, row budget and sequence parallelism give one trajectory."""
     reference = launch(tmp_path, "w1_packed", 1, "--max-tokens-per-row", "1024")
     layouts = {
         "w2_packed": launch(tmp_path, "w2_packed", 2, "--max-tokens-per-row", "1024"),
         "w2_small_rows": launch(tmp_path, "w2_small", 2, "--max-tokens-per-row", "200"),
         "w2_padded": launch(tmp_path, "w2_padded", 2, "--no-packing", "--micro-batch-pairs", "2"),
+        # Sequence parallelism: one group of 2 ranks shares every row of 2 x 100 tokens; most pairs need more
+        # than 100 (test_sequence_parallel.py checks that S=1 refuses this budget).
+        "w2_sp2_small_rows": launch(tmp_path, "w2_sp2", 2, "--max-tokens-per-row", "100",
+                                    "--sequence-parallel-size", "2"),
     }
     assert [r["step"] for r in reference] == [1, 2, 3]
     assert reference[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at step 1

@@ -1,0 +1,298 @@
+"""Sequence parallelism: one packed row split along its tokens over the S ranks of a group.
+
+A pair longer than one rank's memory still trains when S ranks share its row:
+
+* **Groups.**  Consecutive ranks form a sequence-parallel (SP) group; groups are
+  data-parallel replicas.  DeepSpeed's own Ulysses parallel state
+  (``deepspeed.runtime.sequence_parallel.parallel_state_sp``, the ``mpu`` ALST
+  uses) builds them and is handed to ``deepspeed.initialize``, so ZeRO shards over
+  all ranks and divides the summed gradients by the data-parallel size W/S.
+* **Slicing** (:func:`slice_row`).  The collated row is padded to a multiple of S
+  with tokens that form their own ignored segment, and rank r keeps tokens
+  ``[r*T/S, (r+1)*T/S)``.  ``labels`` were computed on the whole row (label t is
+  token t+1), so the last token of a slice keeps the first token of the next slice
+  as its label: slicing them with the tokens is all the boundary needs.
+* **Attention** (:func:`register_ulysses_attention`).  DeepSpeed-Ulysses
+  (``DistributedAttention``): an all-to-all turns [T/S tokens, all heads] into
+  [T tokens, H/S heads], a local varlen attention runs over the whole row's
+  ``cu_seqlens``, and an all-to-all turns it back.  It is registered through
+  transformers' ``AttentionInterface`` so the HF model calls it.
+* **Log-probs** (:func:`all_reduce_sequence_logps`).  Each rank sums its slice's
+  token log-probs per sequence; one all-reduce(sum) of the 2P-float vectors over
+  the group gives every rank the whole sequences' log-probs before the nonlinear
+  loss -- not an all-gather of per-token log-probs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from .attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, varlen_attention
+from .collate import IGNORE_INDEX, ModelBatch
+from .errors import InputError
+from .logps import SequenceLogps, forward_logps
+
+# (q, k, v, cu_seqlens, max_seqlen, *, scale) -> out; q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0, out [T, Hq, D].
+LocalVarlenAttention = Callable[..., torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- settings (no process group)
+
+
+def data_parallel_size(world_size: int, sp_size: int) -> int:
+    """Ranks per SP group divide the world; the quotient is the number of data-parallel replicas."""
+    if sp_size < 1:
+        raise InputError(f"--sequence-parallel-size must be >= 1, got {sp_size}")
+    if world_size % sp_size != 0:
+        raise InputError(f"--sequence-parallel-size {sp_size} does not divide the world size {world_size} "
+                         f"(launch a multiple of {sp_size} ranks)")
+    return world_size // sp_size
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """How many times each KV head is repeated so the KV heads split evenly over the group.
+
+    The smallest factor f with ``num_kv_heads * f`` divisible by S (e.g. 2 KV heads
+    and S=4: f=2).  Query heads h..h+H/S of one rank then still meet the KV head they
+    belong to, since repeating heads in place keeps the GQA grouping.
+    """
+    return sp_size // math.gcd(num_kv_heads, sp_size)
+
+
+def gradient_average_size(zero_stage: int, world_size: int, sp_size: int) -> int:
+    """The count DeepSpeed divides the rank-summed gradients by, under sequence parallelism.
+
+    Stages 0-2 divide by the data-parallel size W/S.  ZeRO-3's reduce-scatter
+    (``reduce_scatter_coalesced``, its default path) divides by the whole world W,
+    ignoring the sequence-parallel size (deepspeed 0.19.8; read in stage3.py, and
+    seen here as a grad norm S times too small).  The loss is multiplied by this
+    count so the reduced gradient is the step's mean over pairs either way.
+    """
+    return world_size if zero_stage == 3 else world_size // sp_size
+
+
+def check_model_heads(hf_config, sp_size: int, where: str) -> None:
+    """The head count must split over the group; checked on the config, before any weights or process group."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % sp_size != 0:
+        raise InputError(f"--sequence-parallel-size {sp_size}: {where} has {heads} attention heads, not divisible by "
+                         f"{sp_size} (Ulysses gives every rank of the group heads/{sp_size} whole heads); use a size "
+                         f"that divides {heads}")
+    if heads % (kv_heads * kv_replication(heads, kv_heads, sp_size)) != 0:
+        raise InputError(f"--sequence-parallel-size {sp_size}: {where} has {kv_heads} key/value heads for {heads} "
+                         f"query heads; they cannot be split evenly over {sp_size} ranks")
+
+
+def check_pairs_fit(chosen_lengths, rejected_lengths, per_rank_budget: int, sp_size: int, pair_ids) -> None:
+    """A pair must fit one row of S x the per-rank budget; the message says which of the two to raise."""
+    import numpy as np
+
+    pair_tokens = np.asarray(chosen_lengths, dtype=np.int64) + np.asarray(rejected_lengths, dtype=np.int64)
+    longest = int(np.argmax(pair_tokens))
+    need = int(pair_tokens[longest])
+    if need > per_rank_budget * sp_size:
+        raise InputError(f"pair {pair_ids[longest]} needs {need} tokens but a row holds --sequence-parallel-size "
+                         f"{sp_size} x --max-tokens-per-row {per_rank_budget} = {sp_size * per_rank_budget}; raise "
+                         f"--max-tokens-per-row to >= {-(-need // sp_size)} or --sequence-parallel-size to >= "
+                         f"{-(-need // per_rank_budget)}")
+
+
+def check_attention(attn: str, sp_size: int) -> None:
+    """Under SP the local attention is flash varlen (CUDA) or the exact per-sequence sdpa; nothing else."""
+    if sp_size > 1 and not (is_flash(attn) or attn in ("sdpa", SDPA_VARLEN)):
+        raise InputError(f"--attn {attn} with --sequence-parallel-size {sp_size}: the local attention of Ulysses "
+                         f"is flash varlen or per-sequence sdpa; use --attn {SDPA_VARLEN}, sdpa, flash_attention_2 "
+                         f"or flash_attention_3")
+
+
+# ----------------------------------------------------------------------------- slicing a row
+
+
+def slice_row(batch: ModelBatch, sp_size: int, sp_rank: int, pad_token_id: int) -> ModelBatch:
+    """This rank's token slice of a packed row; ``cu_seqlens``/``max_seqlen`` stay those of the whole (padded) row.
+
+    The row is padded to a multiple of S with tokens forming one extra segment
+    (positions 0.., label -100, sequence -1), so no real sequence attends to them
+    and nothing sums them.  A row without ``cu_seqlens`` (one sequence alone) is
+    one segment.  Counts (``real_tokens``, ``computed_tokens``) are the whole row's.
+    """
+    if batch.attention_mask is not None or batch.input_ids.shape[0] != 1:
+        raise ValueError("sequence parallelism slices packed rows ([1, T], no attention mask)")
+    length = batch.input_ids.shape[1]
+    padded = -(-length // sp_size) * sp_size
+    pad = padded - length
+    device = batch.input_ids.device
+    cu_seqlens = batch.cu_seqlens
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, length], dtype=torch.int32, device=device)
+
+    def extend(values: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values, tail.to(values)[None]], dim=1) if pad else values
+
+    filler = torch.full((pad,), 0, dtype=torch.long, device=device)
+    pieces = {
+        "input_ids": extend(batch.input_ids, filler + pad_token_id),
+        "position_ids": extend(batch.position_ids, torch.arange(pad, device=device)),
+        "labels": extend(batch.labels, filler + IGNORE_INDEX),
+        "seq_index": extend(batch.seq_index, filler - 1),
+    }
+    if pad:
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([padded])])
+    local = padded // sp_size
+    span = slice(sp_rank * local, (sp_rank + 1) * local)
+    return dataclasses.replace(
+        batch, **{name: value[:, span] for name, value in pieces.items()},
+        cu_seqlens=cu_seqlens.to(torch.int32), max_seqlen=max(batch.max_seqlen, pad),
+        computed_tokens=max(batch.computed_tokens, padded))
+
+
+# ----------------------------------------------------------------------------- local attention over the whole row
+
+
+def segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                 *, scale: float | None = None) -> torch.Tensor:
+    """The exact per-sequence sdpa of :func:`attention.varlen_attention` in flash's varlen signature
+    (``max_seqlen`` unused): never the [T, T] mask of the very rows sequence parallelism is for."""
+    del max_seqlen
+    return varlen_attention(q, k, v, cu_seqlens, scale=scale)
+
+
+def flash_varlen(attn: str) -> LocalVarlenAttention:
+    """The varlen kernel of flash-attn 2 or 3 (CUDA), resolved by transformers, imported only here."""
+    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+    varlen_fn = lazy_import_flash_attention(attn)[0][1]
+
+    def attend(q, k, v, cu_seqlens, max_seqlen, *, scale=None):
+        cu = cu_seqlens.to(dtype=torch.int32)
+        out = varlen_fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out  # some flash-attn 3 builds also return the LSE
+
+    return attend
+
+
+def local_attention_for(attn: str) -> LocalVarlenAttention:
+    return flash_varlen(attn) if is_flash(attn) else segment_sdpa
+
+
+# ----------------------------------------------------------------------------- Ulysses through transformers
+
+
+@dataclasses.dataclass
+class _Ulysses:
+    """What the registered attention function needs: the group and the local kernel (one per process)."""
+
+    attention: object  # deepspeed.sequence.layer.DistributedAttention
+    sp_size: int
+
+
+_ULYSSES: _Ulysses | None = None
+
+
+def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
+                       cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """transformers attention function: q/k/v [1, heads, T/S, dim] of this rank's slice -> [1, T/S, heads, dim].
+
+    The whole row's boundaries arrive as the varlen kwargs ``cu_seq_lens_q`` /
+    ``max_length_q`` (see :func:`ds_packdpo.attention.model_forward_kwargs`); the mask
+    transformers would build for the local slice is meaningless and ignored.
+    """
+    del attention_mask, kwargs
+    if _ULYSSES is None:
+        raise RuntimeError(f"attention {ULYSSES_ATTN!r} used before register_ulysses_attention()")
+    if cu_seq_lens_q is None:
+        raise RuntimeError(f"attention {ULYSSES_ATTN!r} needs the whole row's cu_seqlens (cu_seq_lens_q)")
+    if dropout:
+        raise NotImplementedError("attention dropout under sequence parallelism")
+    factor = kv_replication(query.shape[1], key.shape[1], _ULYSSES.sp_size)
+    if factor > 1:
+        key, value = key.repeat_interleave(factor, dim=1), value.repeat_interleave(factor, dim=1)
+    # DistributedAttention's layout: [seq, batch, heads, dim], batch in dim 1 (scatter heads, gather sequence).
+    q, k, v = (x.permute(2, 0, 1, 3) for x in (query, key, value))
+    out = _ULYSSES.attention(q, k, v, 1, None, cu_seq_lens_q, max_length_q, scale=scaling)
+    return out.permute(1, 0, 2, 3), None
+
+
+def _local_on_row(local: LocalVarlenAttention):
+    """Adapts a (q, k, v, cu_seqlens, max_seqlen) kernel on [T, heads, dim] to DistributedAttention's [T, 1, h, d]."""
+
+    def attend(q, k, v, cu_seqlens, max_seqlen, scale=None):
+        return local(q[:, 0], k[:, 0], v[:, 0], cu_seqlens, max_seqlen, scale=scale)[:, None]
+
+    return attend
+
+
+def register_ulysses_attention(group, sp_size: int, local: LocalVarlenAttention) -> str:
+    """Registers the Ulysses attention with transformers for this process; returns its ``attn_implementation`` name."""
+    global _ULYSSES
+    from deepspeed.sequence.layer import DistributedAttention
+    from transformers import AttentionInterface
+
+    _ULYSSES = _Ulysses(DistributedAttention(_local_on_row(local), group, scatter_idx=2, gather_idx=0), sp_size)
+    AttentionInterface.register(ULYSSES_ATTN, _ulysses_attention)
+    return ULYSSES_ATTN
+
+
+# ----------------------------------------------------------------------------- log-probs over the group
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """all-reduce(sum) forward; identity backward.
+
+    Every rank of the group then computes the same loss from the same sums, and
+    the gradient reaching rank r's partial sums is d(loss)/d(sums) itself: the
+    ranks' partial gradients add up (in DeepSpeed's reduction) to exactly the
+    gradient of the one group loss.  torch's ``all_reduce`` autograd would sum the
+    S identical upstream gradients in backward, i.e. count the loss S times.
+    """
+
+    @staticmethod
+    def forward(ctx, values, group):
+        import torch.distributed as dist
+
+        values = values.clone()
+        dist.all_reduce(values, group=group)
+        return values
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def all_reduce_sequence_logps(partial: SequenceLogps, group) -> SequenceLogps:
+    """Whole-sequence sums from each rank's partial sums: one collective of 3 x 2P floats."""
+    stacked = torch.stack([partial.logps, partial.tokens, partial.logits_sum])
+    total = _SumOverGroup.apply(stacked, group)
+    return SequenceLogps(logps=total[0], tokens=total[1].detach(), logits_sum=total[2].detach())
+
+
+@dataclasses.dataclass
+class SequenceParallel:
+    """This rank's place in the data-parallel x sequence-parallel layout."""
+
+    size: int
+    rank: int  # within the SP group
+    group: object  # the SP process group
+    pad_token_id: int
+
+    def forward_logps(self, model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096,
+                      impl: str = "lean") -> SequenceLogps:
+        """Per-sequence log-probs of the whole row, on every rank of the group, from this rank's slice."""
+        local = slice_row(batch, self.size, self.rank, self.pad_token_id)
+        return all_reduce_sequence_logps(forward_logps(model, local, attn, chunk_tokens, impl), self.group)
+
+
+def init_sequence_parallel(sp_size: int, attn: str, pad_token_id: int):
+    """After the process group: builds the groups, registers Ulysses; returns (SequenceParallel, mpu)."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+
+    mpu.initialize_sequence_parallel(sequence_parallel_size=sp_size)
+    group = mpu.get_sequence_parallel_group()
+    register_ulysses_attention(group, sp_size, local_attention_for(attn))
+    return SequenceParallel(sp_size, mpu.get_sequence_parallel_rank(), group, pad_token_id), mpu

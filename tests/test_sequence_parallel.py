@@ -1,0 +1,160 @@
+"""Sequence parallelism: slicing and labels (pure), Ulysses + all-reduced log-probs on 2 in-process gloo ranks.
+
+The end-to-end trajectory under --sequence-parallel-size 2 (with pairs longer than one
+rank's budget) is a layout of tests/test_trainer_multirank.py, next to the references it equals.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ds_packdpo.attention import ULYSSES_ATTN
+from ds_packdpo.collate import IGNORE_INDEX, collate_packed
+from ds_packdpo.errors import InputError
+from ds_packdpo.models import synthetic_pairs, tiny_config
+from ds_packdpo.sequence_parallel import (check_model_heads, data_parallel_size, kv_replication, segment_sdpa,
+                                          slice_row)
+
+PAD = 3
+
+
+def test_slices_keep_next_token_labels_across_boundaries():
+    """Every slice's labels are the full row's: the last token of slice r is labelled with slice r+1's first token."""
+    row = collate_packed(synthetic_pairs(3, vocab_size=128, seed=8, max_tokens=20), [0, 1, 2], PAD)
+    length = row.input_ids.shape[1]
+    for sp_size in (2, 3, 4):
+        slices = [slice_row(row, sp_size, r, PAD) for r in range(sp_size)]
+        ids = torch.cat([s.input_ids for s in slices], dim=1)[0]
+        labels = torch.cat([s.labels for s in slices], dim=1)[0]
+        pad = ids.numel() - length
+        assert 0 <= pad < sp_size and len({s.input_ids.shape[1] for s in slices}) == 1
+        assert torch.equal(ids[:length], row.input_ids[0]) and torch.equal(labels[:length], row.labels[0])
+        assert (ids[length:] == PAD).all() and (labels[length:] == IGNORE_INDEX).all()
+        # label rule on the concatenation: a scored label is the next token of the row, also at slice ends
+        scored = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        assert torch.equal(labels[scored], ids[scored + 1])
+        for r in range(sp_size - 1):
+            last = slices[r].labels[0, -1]
+            assert last == IGNORE_INDEX or last == slices[r + 1].input_ids[0, 0]
+        if sp_size == 2:  # this row (121 tokens) has a completion cut in two by the S=2 boundary
+            assert slices[0].labels[0, -1] == slices[1].input_ids[0, 0] != IGNORE_INDEX
+        # every slice carries the whole padded row's boundaries, the pad being its own segment
+        cu = slices[0].cu_seqlens
+        assert cu[-1] == ids.numel() and all(torch.equal(s.cu_seqlens, cu) for s in slices)
+        assert torch.equal(cu[:row.cu_seqlens.numel()], row.cu_seqlens)
+
+
+def test_segment_sdpa_equals_block_diagonal_attention():
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    q, k, v = torch.randn(13, 4, 8), torch.randn(13, 2, 8), torch.randn(13, 2, 8)
+    out = segment_sdpa(q, k, v, cu, 7)
+    seg = torch.repeat_interleave(torch.arange(3), torch.diff(cu))
+    pos = torch.arange(13)
+    mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=mask).transpose(0, 1)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+
+
+def test_layout_checks():
+    assert data_parallel_size(4, 2) == 2
+    with pytest.raises(InputError, match="--sequence-parallel-size 3 does not divide the world size 4"):
+        data_parallel_size(4, 3)
+    assert [kv_replication(8, kv, 4) for kv in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    check_model_heads(tiny_config(heads=4, kv_heads=1), 4, "--model-config tiny")
+    with pytest.raises(InputError) as error:
+        check_model_heads(tiny_config(heads=6, kv_heads=2, hidden_size=48), 4, "--model-config m.json")
+    message = str(error.value)
+    assert "--sequence-parallel-size 4" in message and "6 attention heads" in message and "m.json" in message
+
+
+# ----------------------------------------------------------------------------- two in-process gloo ranks
+
+
+def _model(kv_heads: int, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(vocab_size=128, hidden_size=64, layers=2, heads=4, kv_heads=kv_heads)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+
+
+def _loss(logps):
+    """A nonlinear loss of whole-sequence log-probs (as DPO's), so a wrong reduction shows in the gradient."""
+    return torch.nn.functional.logsigmoid(0.1 * (logps.chosen_logps - logps.rejected_logps)).sum()
+
+
+def _rank_main(rank: int, port: int, results):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import deepspeed
+
+    from ds_packdpo.logps import forward_logps
+    from ds_packdpo.sequence_parallel import init_sequence_parallel
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    sp, _ = init_sequence_parallel(2, "sdpa", PAD)
+    # pairs long enough that sequences straddle the slice boundary; odd total length exercises the padding
+    row = collate_packed(synthetic_pairs(3, vocab_size=128, seed=8, max_tokens=20), [0, 1, 2], PAD)
+    out = {}
+    for kv_heads in (2, 1):  # 1 KV head < S=2: replicated
+        full, split = _model(kv_heads, "sdpa"), _model(kv_heads, ULYSSES_ATTN)
+        expected = forward_logps(full, row, "sdpa")
+        _loss(expected).backward()
+        got = sp.forward_logps(split, row, ULYSSES_ATTN)
+        _loss(got).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in split.parameters()])
+        torch.distributed.all_reduce(grads)  # DeepSpeed's reduction sums the ranks' partial gradients
+        out[kv_heads] = {
+            "length": row.input_ids.shape[1],
+            "logps_diff": float((got.logps - expected.logps).abs().max()),
+            "tokens_equal": bool(torch.equal(got.tokens, expected.tokens)),
+            "logits_diff": float((got.logits_sum - expected.logits_sum).abs().max()),
+            "grad_rel": float((grads - torch.cat([p.grad.reshape(-1) for p in full.parameters()])).norm()
+                              / grads.norm()),
+        }
+    results[rank] = out
+
+
+@pytest.mark.multirank
+def test_ulysses_logps_and_gradients_equal_one_rank():
+    """S=2 on 2 gloo ranks: whole-sequence log-probs equal the unsplit forward, and the summed gradients equal its gradient."""
+    from launching import free_port
+
+    results = mp.Manager().dict()
+    mp.spawn(_rank_main, args=(free_port(), results), nprocs=2, join=True)
+    for rank in (0, 1):
+        for kv_heads, res in results[rank].items():
+            assert res["length"] % 2 == 1, res
+            assert res["logps_diff"] < 1e-4 and res["logits_diff"] < 1e-3, (rank, kv_heads, res)
+            assert res["tokens_equal"], (rank, kv_heads, res)
+            assert res["grad_rel"] < 1e-5, (rank, kv_heads, res)
+
+
+@pytest.mark.parametrize("env, flags, message", [
+    # the budget the S=2 layout of test_trainer_multirank.py trains with is refused at S=1, naming the way out
+    ({}, ["--max-tokens-per-row", "100"],
+     r"^error: pair \d+ needs 1\d\d tokens .* but --max-tokens-per-row is 100; .* --sequence-parallel-size$"),
+    ({"WORLD_SIZE": "3"}, ["--sequence-parallel-size", "3"],
+     r"^error: --sequence-parallel-size 3: --model-config tiny has 4 attention heads, not divisible by 3"),
+])
+def test_impossible_layout_fails_before_process_group(tmp_path, env, flags, message):
+    import re
+
+    from launching import cpu_env, run
+
+    proc = run([sys.executable, "-m", "ds_packdpo.train", "--output-dir", str(tmp_path / "out"), "--cache-dir",
+                str(tmp_path / "cache"), "--synthetic-pairs", "48", "--max-length", "96", *flags],
+               timeout=300, check=False, env=cpu_env(**env))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.search(message, last), last
+    assert not (tmp_path / "out").exists()
