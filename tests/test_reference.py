@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import deepspeed_module, deepspeed_script, read_metrics, run
-from test_trainer_multirank import COMMON
+from launching import SMALL_RUN, deepspeed_module, deepspeed_script, read_metrics, run
 
 from ds_packdpo.config import parse_train_args
 
@@ -75,7 +74,7 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
     model = save_tiny_model(tmp_path / "model", seed=0)
     cache = ["--cache-dir", str(tmp_path / "cache"), "--model", str(model)]
     out = tmp_path / "ref" / "reference.jsonl"
-    run(deepspeed_module(2, "ds_packdpo.precompute_ref", "--out", str(out), *cache, *BUDGET, *COMMON))
+    run(deepspeed_module(2, "ds_packdpo.precompute_ref", "--out", str(out), *cache, *BUDGET, *SMALL_RUN))
 
     # 1. the file: one line per pair, the same pair ids as `prepare --out`, values of an independent padded forward
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -84,12 +83,12 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
     from ds_packdpo.data import DataConfig, run_prepare
     from ds_packdpo.trainer import _tokenizer_and_rows
 
-    cfg = parse_train_args([*cache, *COMMON])
+    cfg = parse_train_args([*cache, *SMALL_RUN])
     tokenizer, rows = _tokenizer_and_rows(cfg)
     run_prepare(DataConfig.from_settings(cfg, dataset="synthetic"), tokenizer, tmp_path / "pairs.jsonl", rows=rows)
     prepared_ids = [json.loads(line)["pair_id"] for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert [r["pair_id"] for r in records] == sorted(prepared_ids) and len(records) == 48
-    expected = padded_reference_logps([*cache, *COMMON])
+    expected = padded_reference_logps([*cache, *SMALL_RUN])
     for record in records:
         chosen, rejected, chosen_tokens, rejected_tokens = expected[record["pair_id"]]
         assert record["chosen_logps"] == pytest.approx(chosen, rel=1e-5, abs=1e-5)
@@ -98,7 +97,7 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
 
     # 2. training with the file = training with the live reference engine (fp32, 1e-5)
     def launch(name: str, *flags: str) -> list[dict]:
-        run(deepspeed_module(2, "ds_packdpo.train", "--output-dir", str(tmp_path / name), *cache, *BUDGET, *COMMON,
+        run(deepspeed_module(2, "ds_packdpo.train", "--output-dir", str(tmp_path / name), *cache, *BUDGET, *SMALL_RUN,
                              *flags))
         return read_metrics(tmp_path / name / "metrics.jsonl")
 
@@ -110,7 +109,7 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
 
     # 3. a file that does not fit the run is refused before any process group, in one line
-    base = ["--output-dir", str(tmp_path / "refused"), *cache, *BUDGET, *COMMON]
+    base = ["--output-dir", str(tmp_path / "refused"), *cache, *BUDGET, *SMALL_RUN]
     missing = tmp_path / "missing.jsonl"
     missing.write_text("\n".join(out.read_text().splitlines()[1:]) + "\n")
     shutil.copy(f"{out}.meta.json", f"{missing}.meta.json")
