@@ -158,8 +158,11 @@ def segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                  *, scale: float | None = None) -> torch.Tensor:
     """Exact varlen causal attention on CPU: torch sdpa once per segment of ``cu_seqlens``.
 
-    A per-segment loop instead of one block-diagonal mask: the mask would be
-    [T, T] (quadratic in the very rows sequence parallelism is for), and each
+    A per-segment loop instead of one block-diagonal mask: a mask is [T, T] and
+    sends torch to its math kernel, which keeps a [heads, len, len] matrix per
+    layer for backward (quadratic in the very rows sequence parallelism is for),
+    while causal segments in 4-D take torch's CPU flash kernel (measured: 4 layers
+    of 4096 tokens x 4 heads, 1.6 GiB with 3-D inputs, 35 MiB with 4-D).  Each
     segment alone is exactly the unpacked computation.  ``max_seqlen`` is unused
     (flash's signature).
     """
@@ -168,11 +171,10 @@ def segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
-            # [len, heads, dim] -> [heads, len, dim]; enable_gqa lets Hq be a multiple of Hkv.
+            # [len, heads, dim] -> [1, heads, len, dim]; enable_gqa lets Hq be a multiple of Hkv.
             seg = torch.nn.functional.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                is_causal=True, scale=scale, enable_gqa=True)
-            out[start:end] = seg.transpose(0, 1)
+                *(x[start:end].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scale, enable_gqa=True)
+            out[start:end] = seg[0].transpose(0, 1)
     return out
 
 
