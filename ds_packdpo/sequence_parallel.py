@@ -6,7 +6,8 @@ A pair longer than one rank's memory still trains when S ranks share its row:
   data-parallel replicas.  DeepSpeed's own Ulysses parallel state
   (``deepspeed.runtime.sequence_parallel.parallel_state_sp``, the ``mpu`` ALST
   uses) builds them and is handed to ``deepspeed.initialize``, so ZeRO shards over
-  all ranks and divides the summed gradients by the data-parallel size W/S.
+  all ranks and sums gradients over all ranks (:func:`gradient_average_size` gives
+  the count it then divides by, which the loss is scaled by).
 * **Slicing** (:func:`slice_row`).  The collated row is padded to a multiple of S
   with tokens that form their own ignored segment, and rank r keeps tokens
   ``[r*T/S, (r+1)*T/S)``.  ``labels`` were computed on the whole row (label t is
