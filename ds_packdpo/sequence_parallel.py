@@ -6,7 +6,8 @@ A pair longer than one rank's memory still trains when S ranks share its row:
   data-parallel replicas.  DeepSpeed's own Ulysses parallel state
   (``deepspeed.runtime.sequence_parallel.parallel_state_sp``, the ``mpu`` ALST
   uses) builds them and is handed to ``deepspeed.initialize``, so ZeRO shards over
-  all ranks and divides the summed gradients by the data-parallel size W/S.
+  all ranks and sums gradients over all ranks (:func:`gradient_average_size` gives
+  the count it then divides by, which the loss is scaled by).
 * **Slicing** (:func:`slice_row`).  The collated row is padded to a multiple of S
   with tokens that form their own ignored segment, and rank r keeps tokens
   ``[r*T/S, (r+1)*T/S)``.  ``labels`` were computed on the whole row (label t is
@@ -53,7 +54,7 @@ def data_parallel_size(world_size: int, sp_size: int) -> int:
     return world_size // sp_size
 
 
-def kv_replication(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+def kv_replication(num_kv_heads: int, sp_size: int) -> int:
     """How many times each KV head is repeated so the KV heads split evenly over the group.
 
     The smallest factor f with ``num_kv_heads * f`` divisible by S (e.g. 2 KV heads
@@ -84,7 +85,7 @@ def check_model_heads(hf_config, sp_size: int, where: str) -> None:
         raise InputError(f"--sequence-parallel-size {sp_size}: {where} has {heads} attention heads, not divisible by "
                          f"{sp_size} (Ulysses gives every rank of the group heads/{sp_size} whole heads); use a size "
                          f"that divides {heads}")
-    if heads % (kv_heads * kv_replication(heads, kv_heads, sp_size)) != 0:
+    if heads % (kv_heads * kv_replication(kv_heads, sp_size)) != 0:
         raise InputError(f"--sequence-parallel-size {sp_size}: {where} has {kv_heads} key/value heads for {heads} "
                          f"query heads; they cannot be split evenly over {sp_size} ranks")
 
@@ -210,7 +211,7 @@ def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, 
         raise RuntimeError(f"attention {ULYSSES_ATTN!r} needs the whole row's cu_seqlens (cu_seq_lens_q)")
     if dropout:
         raise NotImplementedError("attention dropout under sequence parallelism")
-    factor = kv_replication(query.shape[1], key.shape[1], _ULYSSES.sp_size)
+    factor = kv_replication(key.shape[1], _ULYSSES.sp_size)
     if factor > 1:
         key, value = key.repeat_interleave(factor, dim=1), value.repeat_interleave(factor, dim=1)
     # DistributedAttention's layout: [seq, batch, heads, dim], batch in dim 1 (scatter heads, gather sequence).

@@ -8,10 +8,11 @@ the engines built.
 
 Per optimizer step each rank runs the same number K of rows (the plan
 guarantees it; ZeRO-3 hangs otherwise).  The loss of a row is its pairs' loss
-sum divided by the step's global pair count times the data-parallel size, so
-DeepSpeed's gradient average over ranks equals the gradient of the mean over
-all pairs of the step, whatever the layout.  The accumulation boundary is set
-by hand because K changes from step to step.
+sum divided by the step's global pair count times the number of ranks DeepSpeed
+divides the summed gradients by (the data-parallel size; the whole world under
+ZeRO-3 with sequence parallelism), so DeepSpeed's gradient average equals the
+gradient of the mean over all pairs of the step, whatever the layout.  The
+accumulation boundary is set by hand because K changes from step to step.
 """
 
 from __future__ import annotations
@@ -151,8 +152,8 @@ def prepare_run(cfg: TrainConfig, world_size: int | None = None) -> PreparedRun:
     ds_config = fill_ds_config(raw_ds, ds_source, cfg, dp_world_size, model_hidden_size(cfg, len(tokenizer)),
                                device_type)
     # Under sequence parallelism a row is shared by the S ranks of a group: S x the per-rank budget.
-    plan_cfg = PlanConfig(max_tokens_per_row=cfg.row_budget * cfg.sequence_parallel_size, world_size=dp_world_size,
-                          seed=cfg.seed,
+    plan_cfg = PlanConfig(max_tokens_per_row=cfg.row_budget * cfg.sequence_parallel_size,
+                          world_size=dp_world_size, seed=cfg.seed,
                           global_batch_pairs=cfg.batch_pairs, tokens_per_step=cfg.tokens_per_step,
                           drop_last=cfg.drop_last, attention_weight=cfg.attention_weight,
                           packing=not cfg.no_packing, micro_batch_pairs=cfg.micro_batch_pairs)

@@ -67,7 +67,7 @@ def test_layout_checks():
     assert data_parallel_size(4, 2) == 2
     with pytest.raises(InputError, match="--sequence-parallel-size 3 does not divide the world size 4"):
         data_parallel_size(4, 3)
-    assert [kv_replication(8, kv, 4) for kv in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    assert [kv_replication(kv, 4) for kv in (1, 2, 4, 8)] == [4, 2, 1, 1]
     check_model_heads(tiny_config(heads=4, kv_heads=1), 4, "--model-config tiny")
     with pytest.raises(InputError) as error:
         check_model_heads(tiny_config(heads=6, kv_heads=2, hidden_size=48), 4, "--model-config m.json")
