@@ -277,6 +277,8 @@ def plot_report(report: dict, folder: Path) -> None:
         right.set_title("no packed configuration", fontsize=10)
     right.set_xlabel("row tokens / row budget")
     right.set_ylabel("rows")
+    for ax in (left, right):
+        ax.yaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()
     fig.savefig(folder / "lengths.png", dpi=110)
     plt.close(fig)
