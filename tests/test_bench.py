@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from ds_packdpo import cli
+from ds_packdpo import bench, cli
 from ds_packdpo.errors import InputError
 from ds_packdpo.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
 from ds_packdpo.models import build_model, tiny_config
@@ -164,3 +164,8 @@ def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("")
     assert cli.main(["bench", "--out", str(tmp_path / "full")]) == 2
     assert "pass --overwrite" in capsys.readouterr().err
+    # one rank's own check, before any process group: too few steps in the data
+    assert bench.main(["--synthetic-pairs", "16", "--global-batch-pairs", "8", "--max-steps", "2",
+                       "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "b")]) == 2
+    assert "the data holds only 2 steps of 8 pairs" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
