@@ -210,7 +210,7 @@ def measure_configuration(name: str, cfg: TrainConfig, warmup_steps: int) -> dic
                                 run.prepared.rejected_lengths, packed, run.world_size, cfg.peak_tflops)
         lengths = (run.prepared.chosen_lengths, run.prepared.rejected_lengths)
         timer = StepTimer()
-        steps, index = [], 0
+        steps = []
         # Every rank holds the whole plan, so rank 0's records carry every rank's load.
         for index, plan in enumerate(iter_plan(*lengths, run.plan_cfg, cfg.epochs)):
             if index >= warmup_steps + cfg.max_steps:
@@ -230,8 +230,6 @@ def measure_configuration(name: str, cfg: TrainConfig, warmup_steps: int) -> dic
             })
         _free_engines(policy, reference)
         del policy, reference, trainer
-    if not steps:
-        raise InputError(f"--max-steps/--bench-warmup-steps: the data holds only {index} steps; no step was measured")
     # The slowest rank sets each step's time; every rank's peak memory goes into the report.
     times = torch.tensor([s["step_time_s"] for s in steps], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -311,6 +309,17 @@ def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
             "intermediate_size": getattr(hf, "intermediate_size", None), "vocab_size": hf.vocab_size}
 
 
+def check_enough_steps(run, warmup_steps: int) -> None:
+    from .packing import steps_per_epoch
+
+    lengths = (run.prepared.chosen_lengths, run.prepared.rejected_lengths)
+    available = sum(steps_per_epoch(*lengths, run.plan_cfg, epoch=e) for e in range(run.cfg.epochs))
+    if available < warmup_steps + run.cfg.max_steps:
+        raise InputError(f"--max-steps {run.cfg.max_steps} + --bench-warmup-steps {warmup_steps}: the data holds only "
+                         f"{available} steps of {run.plan_cfg.global_batch_pairs or '--tokens-per-step'} pairs "
+                         f"(use fewer steps, more --epochs or a smaller batch)")
+
+
 def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dict | None:
     """The whole bench on this rank; rank 0 writes the report folder and returns the report."""
     import torch.distributed as dist
@@ -319,6 +328,7 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
     from .trainer import init_process_group, prepare_run
 
     first = prepare_run(cfg)  # every input check before any process group or engine
+    check_enough_steps(first, settings.bench_warmup_steps)
     cfg = bench_model_config(cfg, settings, len(first.tokenizer), bench_model_folder(cfg))
     init_process_group(cfg)
     runs = {}

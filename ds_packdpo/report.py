@@ -268,15 +268,18 @@ def plot_report(report: dict, folder: Path) -> None:
     left.set_xlabel("sequence length (tokens)")
     left.set_ylabel("sequences")
     left.set_title("sequence lengths of the measured steps", fontsize=10)
-    fills = [f for n in names if runs[n]["packing"] for s in runs[n]["steps"] for f in s["row_fill"]]
+    packed = next((n for n in names if runs[n]["packing"]), None)  # configurations share rows for one budget
+    fills = [f for s in runs[packed]["steps"] for f in s["row_fill"]] if packed else []
     if fills:
         right.hist(fills, bins=20, range=(0, 1), color="C2")
-        right.set_title(f"packed row fill (mean {sum(fills) / len(fills):.2f}, budget "
+        right.set_title(f"{packed} row fill (mean {sum(fills) / len(fills):.2f}, budget "
                         f"{report['settings']['row_budget']})", fontsize=10)
     else:
         right.set_title("no packed configuration", fontsize=10)
     right.set_xlabel("row tokens / row budget")
     right.set_ylabel("rows")
+    for ax in (left, right):
+        ax.yaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()
     fig.savefig(folder / "lengths.png", dpi=110)
     plt.close(fig)

@@ -10,9 +10,9 @@ import statistics
 import pytest
 import torch
 
-from ds_packdpo import cli
+from ds_packdpo import bench, cli
 from ds_packdpo.errors import InputError
-from ds_packdpo.flops import FlopModel, row_attention_sq, step_flops
+from ds_packdpo.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
 from ds_packdpo.models import build_model, tiny_config
 from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, check_report, merge_reports, read_report,
                                write_merged)
@@ -37,6 +37,14 @@ def test_attention_term_is_sum_of_squares_packed_and_rows_times_width_squared_pa
     assert row_attention_sq((), chosen, rejected, packed=True) == 1  # the dummy row
 
 
+def test_throughput_figures_mfu_only_with_a_peak():
+    model = FlopModel(matmul_params=1, layers=1, attn_width=1, with_reference=False)
+    meter = ThroughputMeter(model, [1], [1], packed=True, world_size=2, peak_tflops=4.0)
+    assert meter.figures(flops=8e12, seconds=2.0) == {"model_tflops_per_s": 4.0, "mfu": 0.5}
+    meter.peak_tflops = None
+    assert meter.figures(flops=8e12, seconds=2.0) == {"model_tflops_per_s": 4.0, "mfu": None}
+
+
 def test_flop_model_counts_every_weight_but_the_input_embedding():
     model = build_model(None, "tiny", 300, torch.float32, "sdpa", seed=0)
     flop_model = FlopModel.of(model, with_reference=False)
@@ -54,7 +62,7 @@ def bench_folder(tmp_path_factory):
     out = root / "tiny"
     run(deepspeed_module(2, "ds_packdpo.bench", "--synthetic-pairs", "48", "--max-length", "64",
                          "--global-batch-pairs", "8", "--micro-batch-pairs", "2", "--model-config", "tiny",
-                         "--max-steps", "3", "--bench-warmup-steps", "1", "--cache-dir", str(root / "cache"),
+                         "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir", str(root / "cache"),
                          "--out", str(out), "--no-progress"), timeout=600)
     return out
 
@@ -66,14 +74,14 @@ def test_bench_report_is_consistent(bench_folder):
     assert report["world_size"] == 2 and report["dataset"] == "synthetic"
     assert packed["attn"] == padded["attn"] == "sdpa_varlen" and packed["packing"] and not padded["packing"]
     # the same pairs in the same steps, laid out differently
-    assert packed["real_tokens"] == padded["real_tokens"] and packed["pairs"] == padded["pairs"] == 3 * 8
+    assert packed["real_tokens"] == padded["real_tokens"] and packed["pairs"] == padded["pairs"] == 2 * 8
     assert [s["sequence_lengths"] for s in packed["steps"]] == [s["sequence_lengths"] for s in padded["steps"]]
     assert packed["computed_tokens"] == packed["real_tokens"] and packed["utilization"] == 1.0
     assert padded["computed_tokens"] > padded["real_tokens"] and padded["utilization"] < 1.0
     for run_ in (packed, padded):
         steps = run_["steps"]
         total_time = sum(s["step_time_s"] for s in steps)
-        assert run_["measured_steps"] == len(steps) == 3 and [s["step"] for s in steps] == [2, 3, 4]
+        assert run_["measured_steps"] == len(steps) == 2 and [s["step"] for s in steps] == [2, 3]
         assert run_["tokens_per_s"] == pytest.approx(run_["real_tokens"] / total_time)
         assert run_["pairs_per_s"] == pytest.approx(run_["pairs"] / total_time)
         assert run_["step_time_s"]["median"] == pytest.approx(statistics.median(s["step_time_s"] for s in steps))
@@ -156,3 +164,8 @@ def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("")
     assert cli.main(["bench", "--out", str(tmp_path / "full")]) == 2
     assert "pass --overwrite" in capsys.readouterr().err
+    # one rank's own check, before any process group: too few steps in the data
+    assert bench.main(["--synthetic-pairs", "16", "--global-batch-pairs", "8", "--max-steps", "2",
+                       "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "b")]) == 2
+    assert "the data holds only 2 steps of 8 pairs" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
