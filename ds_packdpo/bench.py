@@ -36,7 +36,11 @@ CONFIGURATIONS: dict[str, dict] = {
     "packed": {"no_packing": False},
     "padded": {"no_packing": True},
     "packed-sdpa-dense": {"no_packing": False, "attn": "sdpa"},  # the dense block-diagonal mask
+    "packed-plain-logps": {"no_packing": False, "logps_impl": "plain"},  # the whole [tokens x vocab] logits
+    # No reference engine: its log-probs come from a file that precompute-ref writes first (not timed).
+    "packed-precomputed-ref": {"no_packing": False, "ref_logps": "precomputed"},
 }
+PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
 DEFAULT_CONFIGURATIONS = "packed,padded"
 DEFAULT_MEASURED_STEPS = 4
 
@@ -197,13 +201,14 @@ def measure_configuration(name: str, cfg: TrainConfig, warmup_steps: int) -> dic
     from .flops import FlopModel, ThroughputMeter, plan_attention_sq
     from .models import assert_packing_exact
     from .packing import iter_plan
+    from .reference import load_precomputed_reference
     from .trainer import DPOTrainer, StepTimer, prepare_run
 
     run = prepare_run(cfg)
     packed = not cfg.no_packing
     with PeakMemory(run.device_type) as memory:
         policy, reference = build_engines(cfg, run.ds_config, len(run.tokenizer), run.attn)
-        trainer = DPOTrainer(run, policy, reference)
+        trainer = DPOTrainer(run, policy, load_precomputed_reference(run) or reference)
         if packed and not cfg.skip_packing_check:
             assert_packing_exact(policy, run.attn, len(run.tokenizer), trainer.pad_token_id, device=trainer.device)
         meter = ThroughputMeter(FlopModel.of(policy, reference is not None), run.prepared.chosen_lengths,
@@ -320,6 +325,19 @@ def check_enough_steps(run, warmup_steps: int) -> None:
                          f"(use fewer steps, more --epochs or a smaller batch)")
 
 
+def precomputed_reference(cfg: TrainConfig) -> str:
+    """Runs precompute-ref once (untimed) into the bench cache folder; every rank gets the file's path.
+
+    The folder must be shared by the nodes of a multi-node bench, as for ``train --ref-logps``.
+    """
+    from .precompute_ref import precompute
+
+    path = bench_model_folder(cfg) / "reference_logps.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    precompute(dataclasses.replace(cfg, overwrite=True), str(path))
+    return str(path)
+
+
 def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dict | None:
     """The whole bench on this rank; rank 0 writes the report folder and returns the report."""
     import torch.distributed as dist
@@ -333,7 +351,10 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
     init_process_group(cfg)
     runs = {}
     for name in settings.configurations:
-        run_cfg = dataclasses.replace(cfg, **CONFIGURATIONS[name], overwrite=True)
+        overrides = dict(CONFIGURATIONS[name])
+        if overrides.get("ref_logps") == PRECOMPUTED:
+            overrides["ref_logps"] = precomputed_reference(cfg)
+        run_cfg = dataclasses.replace(cfg, **overrides, overwrite=True)
         runs[name] = measure_configuration(name, run_cfg, settings.bench_warmup_steps)
     if dist.get_rank() != 0:
         return None

@@ -178,10 +178,10 @@ def build_engines(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str,
     del keep_alive
     if cfg.loss == "simpo" or cfg.ref_logps is not None:
         return policy, None
-    return policy, build_reference(cfg, ds_config, vocab_size, attn)
+    return policy, build_reference(cfg, ds_config, vocab_size, attn, mpu)
 
 
-def build_reference(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str):
+def build_reference(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
     """The frozen reference (``--ref-model`` or the policy's own weights): a ZeRO-3 engine, or a plain module."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator

@@ -63,6 +63,7 @@ def bench_folder(tmp_path_factory):
     run(deepspeed_module(2, "ds_packdpo.bench", "--synthetic-pairs", "48", "--max-length", "64",
                          "--global-batch-pairs", "8", "--micro-batch-pairs", "2", "--model-config", "tiny",
                          "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir", str(root / "cache"),
+                         "--configurations", "packed,padded,packed-plain-logps,packed-precomputed-ref",
                          "--out", str(out), "--no-progress"), timeout=600)
     return out
 
@@ -111,6 +112,25 @@ def test_bench_report_is_consistent(bench_folder):
 
 
 @pytest.mark.multirank
+def test_plain_logps_and_precomputed_reference_configurations(bench_folder):
+    """The issue-8 configurations measure the same steps; the precomputed one runs no reference forward."""
+    report = read_report(bench_folder)
+    runs = report["runs"]
+    packed, plain, precomputed = runs["packed"], runs["packed-plain-logps"], runs["packed-precomputed-ref"]
+    assert plain["overrides"] == {"no_packing": False, "logps_impl": "plain"}
+    for other in (plain, precomputed):
+        assert [s["sequence_lengths"] for s in other["steps"]] == [s["sequence_lengths"] for s in packed["steps"]]
+        assert other["real_tokens"] == other["computed_tokens"] == packed["real_tokens"]
+    without_reference = FlopModel.of(build_model(None, "tiny", report["model"]["vocab_size"], torch.float32, "sdpa"),
+                                     with_reference=False)
+    for step in precomputed["steps"]:
+        assert step["flops"] == pytest.approx(step_flops(without_reference, step["computed_tokens"], step["attention_sq"]))
+    assert precomputed["model_flops"] < packed["model_flops"] == pytest.approx(plain["model_flops"])
+    reference_file = bench_folder.parent / "cache" / "bench_models" / "reference_logps.jsonl"
+    assert len(reference_file.read_text().splitlines()) == 48  # every pair of the data, once
+
+
+@pytest.mark.multirank
 def test_plots_are_png_images(bench_folder):
     for name in PLOTS:
         data = (bench_folder / name).read_bytes()
@@ -146,7 +166,8 @@ def test_merge_of_two_bench_folders(bench_folder, tmp_path):
     merged = json.loads((out / "merged.json").read_text())
     assert merged["entries"] == merge_reports([str(bench_folder), str(other)])["entries"]
     entries = {(e["source"], e["configuration"]): e for e in merged["entries"]}
-    assert len(entries) == 4 and entries[(str(other), "packed")]["world_size"] == 4
+    configurations = len(changed["runs"])
+    assert configurations == 4 and len(entries) == 2 * configurations and entries[(str(other), "packed")]["world_size"] == 4
     assert entries[(str(other), "packed")]["tokens_per_s"] == 2 * entries[(str(bench_folder), "packed")]["tokens_per_s"]
     assert (out / "report.md").read_text().count("| padded |") == 2
     assert (out / "tokens_per_s.png").read_bytes()[:4] == b"\x89PNG"
@@ -154,7 +175,7 @@ def test_merge_of_two_bench_folders(bench_folder, tmp_path):
     assert cli.main(["report", str(tmp_path / "nope"), "--out", str(tmp_path / "m2")]) == 2
     assert not (tmp_path / "m2").exists()
     write_merged(merge_reports([str(other)]), out, overwrite=True)
-    assert len(json.loads((out / "merged.json").read_text())["entries"]) == 2
+    assert len(json.loads((out / "merged.json").read_text())["entries"]) == configurations
 
 
 def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):

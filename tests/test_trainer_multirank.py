@@ -33,8 +33,8 @@ def test_trajectory_independent_of_layout(tmp_path):
     assert [r["step"] for r in reference] == [1, 2, 3]
     assert reference[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at step 1
     assert reference[-1]["loss"] < reference[0]["loss"]
-    for name, run in layouts.items():
-        for ref, got in zip(reference, run, strict=True):
+    for name, records in layouts.items():
+        for ref, got in zip(reference, records, strict=True):
             assert got["pairs"] == ref["pairs"] == 12, name
             assert got["tokens"] == ref["tokens"], name
             for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
