@@ -100,7 +100,7 @@ def check_one(arch: str, attn: str, dtype: torch.dtype, device: str, pairs_count
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--attn", default="flash_attention_2,flash_attention_3,sdpa,flex_attention",
+    parser.add_argument("--attn", default="flash_attention_2,flash_attention_3,sdpa_varlen,sdpa,flex_attention",
                         help="comma-separated backends; flash_attention_3 is skipped when not installed")
     parser.add_argument("--pairs", type=int, default=8)
     args = parser.parse_args(argv)
