@@ -198,11 +198,11 @@ def measure_configuration(name: str, cfg: TrainConfig, warmup_steps: int) -> dic
     import torch.distributed as dist
 
     from .engine import build_engines
-    from .flops import FlopModel, ThroughputMeter, plan_attention_sq
+    from .flops import plan_attention_sq
     from .models import assert_packing_exact
     from .packing import iter_plan
     from .reference import load_precomputed_reference
-    from .trainer import DPOTrainer, StepTimer, prepare_run
+    from .trainer import DPOTrainer, StepTimer, prepare_run, throughput_meter
 
     run = prepare_run(cfg)
     packed = not cfg.no_packing
@@ -211,8 +211,7 @@ def measure_configuration(name: str, cfg: TrainConfig, warmup_steps: int) -> dic
         trainer = DPOTrainer(run, policy, load_precomputed_reference(run) or reference)
         if packed and not cfg.skip_packing_check:
             assert_packing_exact(policy, run.attn, len(run.tokenizer), trainer.pad_token_id, device=trainer.device)
-        meter = ThroughputMeter(FlopModel.of(policy, reference is not None), run.prepared.chosen_lengths,
-                                run.prepared.rejected_lengths, packed, run.world_size, cfg.peak_tflops)
+        meter = throughput_meter(run, policy, reference)
         lengths = (run.prepared.chosen_lengths, run.prepared.rejected_lengths)
         timer = StepTimer()
         steps = []
