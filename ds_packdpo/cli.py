@@ -52,11 +52,7 @@ def free_port() -> int:
 
 def _launch(argv: list[str], procs: int, master_port: int | None, module: str) -> int:
     """Re-runs this command (``module``) under the deepspeed launcher (arguments as a list, never through a shell)."""
-    import torch
-
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env.setdefault("DS_ACCELERATOR", "cpu")
+    env = dict(os.environ)  # with DS_ACCELERATOR=cpu on a machine without CUDA (_cpu_unless_cuda)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port or free_port()),
            "--module", module, *argv]
@@ -160,6 +156,7 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
     pre.add_argument("--master-port", type=int, default=None)
     launch, rest = pre.parse_known_args(argv)
     procs = launch.num_procs or _default_procs()
+    _cpu_unless_cuda()
 
     def check() -> int:
         """Phase one runs here too, so bad input fails before any rank starts."""
@@ -193,7 +190,6 @@ def _check_train(argv: list[str], procs: int) -> None:
     from .config import parse_train_args
     from .trainer import prepare_run
 
-    _cpu_unless_cuda()
     prepare_run(parse_train_args(argv), world_size=procs)
 
 
