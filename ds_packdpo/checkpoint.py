@@ -35,6 +35,7 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .errors import InputError
+from .files import atomic_write
 
 STATE_FILE = "ds_packdpo_state.json"
 HF_FOLDER = "hf"
@@ -333,7 +334,5 @@ def trim_metrics(path: Path, global_step: int) -> int:
     lines = path.read_text().splitlines()
     kept = [line for line in lines if kept_step(line)]
     if len(kept) < len(lines):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        atomic_write(path, lambda temporary: Path(temporary).write_text("".join(line + "\n" for line in kept)))
     return len(lines) - len(kept)

@@ -22,9 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
-import tempfile
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import InputError
+from .files import atomic_write
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt")
 CONVERSATIONAL_FORMATS = ("conversational", "implicit", "sharegpt")
@@ -598,16 +597,14 @@ def write_pairs_jsonl(prepared: PreparedPairs, path) -> None:
     """One JSON line per pair, written to a temporary file in the same folder and renamed: never half written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
-    try:
-        with handle:
+
+    def write(temporary: str) -> None:
+        with open(temporary, "w") as handle:
             for batch in prepared.dataset.iter(batch_size=1024):
                 for values in zip(*(batch[name] for name in PAIR_COLUMNS)):
                     handle.write(json.dumps(dict(zip(PAIR_COLUMNS, values))) + "\n")
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
+
+    atomic_write(path, write)
 
 
 def run_prepare(cfg: DataConfig, tokenizer, out_path, rows: list[dict] | None = None) -> dict:

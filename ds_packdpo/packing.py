@@ -29,8 +29,6 @@ from __future__ import annotations
 import heapq
 import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -40,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InputError
+from .files import atomic_write
 
 
 @dataclass(frozen=True)
@@ -434,9 +433,9 @@ def write_plan_jsonl(plans: Iterable[StepPlan], path, pair_ids: Sequence | None 
     """One JSON line per (step, rank, row); written to a temporary file and renamed, so never half-written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
-    try:
-        with handle:
+
+    def write(temporary: str) -> None:
+        with open(temporary, "w") as handle:
             for plan in plans:
                 for rank, rows in enumerate(plan.ranks):
                     for index, row in enumerate(rows):
@@ -445,7 +444,5 @@ def write_plan_jsonl(plans: Iterable[StepPlan], path, pair_ids: Sequence | None 
                                   "pairs": [x.item() if isinstance(x, np.generic) else x for x in ids],
                                   "tokens": row.tokens}
                         handle.write(json.dumps(record) + "\n")
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
+
+    atomic_write(path, write)

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .errors import InputError
+from .files import atomic_write
 from .logps import SequenceLogps, forward_logps
 
 FORMAT_VERSION = 1
@@ -104,18 +103,6 @@ def check_output_path(out: str | None, overwrite: bool) -> Path:
     return path
 
 
-def _atomic_write(path: Path, write) -> None:
-    """``write(temporary_path)`` then a rename: the file is whole or absent, never half written."""
-    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
-    handle.close()
-    try:
-        write(handle.name)
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
-
-
 def write_reference(path, columns: dict[str, list], fingerprint: dict, info: dict) -> None:
     """The records (``RECORD_KEYS`` columns, one entry per pair) and then their fingerprint.
 
@@ -130,16 +117,16 @@ def write_reference(path, columns: dict[str, list], fingerprint: dict, info: dic
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        _atomic_write(path, lambda tmp: pq.write_table(pa.table(columns), tmp))
+        atomic_write(path, lambda tmp: pq.write_table(pa.table(columns), tmp))
     else:
         def write_lines(tmp):
             with open(tmp, "w") as handle:
                 for values in zip(*(columns[k] for k in RECORD_KEYS)):
                     handle.write(json.dumps(dict(zip(RECORD_KEYS, values))) + "\n")
 
-        _atomic_write(path, write_lines)
+        atomic_write(path, write_lines)
     meta = {"fingerprint": fingerprint, "info": info}
-    _atomic_write(meta_path(path), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
+    atomic_write(meta_path(path), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
 
 
 # ----------------------------------------------------------------------------- reading
