@@ -299,14 +299,9 @@ def environment(device_type: str) -> dict:
 
 
 def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
-    from .models import load_model_config
+    from .engine import model_config
 
-    if cfg.model is not None:
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    else:
-        hf = load_model_config(cfg.model_config or "tiny", vocab_size)
+    hf = model_config(cfg, vocab_size)
     return {"source": cfg.model or cfg.model_config or "tiny", "architecture": (hf.architectures or [hf.model_type])[0],
             "hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads,
             "num_kv_heads": getattr(hf, "num_key_value_heads", hf.num_attention_heads),
