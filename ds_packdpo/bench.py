@@ -28,17 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import TrainConfig, add_arguments, config_from_args, to_dict
-from .errors import InputError
+from .errors import InputError, run_guarded
 
 # A configuration is a name and the TrainConfig fields it overrides; add one here and it can be
 # measured with --configurations.  "packed" and "padded" give the report's speedup.
 CONFIGURATIONS: dict[str, dict] = {
-    "packed": {"no_packing": False},
-    "padded": {"no_packing": True},
-    "packed-sdpa-dense": {"no_packing": False, "attn": "sdpa"},  # the dense block-diagonal mask
-    "packed-plain-logps": {"no_packing": False, "logps_impl": "plain"},  # the whole [tokens x vocab] logits
+    "packed": {"packing": True},
+    "padded": {"packing": False},
+    "packed-sdpa-dense": {"packing": True, "attn": "sdpa"},  # the dense block-diagonal mask
+    "packed-plain-logps": {"packing": True, "logps_impl": "plain"},  # the whole [tokens x vocab] logits
     # No reference engine: its log-probs come from a file that precompute-ref writes first (not timed).
-    "packed-precomputed-ref": {"no_packing": False, "ref_logps": "precomputed"},
+    "packed-precomputed-ref": {"packing": True, "ref_logps": "precomputed"},
 }
 PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
 DEFAULT_CONFIGURATIONS = "packed,padded"
@@ -106,7 +106,7 @@ def bench_model_config(cfg: TrainConfig, settings: BenchSettings, vocab_size: in
         return cfg
     from filelock import FileLock
 
-    from .models import tiny_config
+    from .model.build import tiny_config
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"bench_model_vocab{vocab_size}.json"
@@ -120,7 +120,7 @@ def bench_model_config(cfg: TrainConfig, settings: BenchSettings, vocab_size: in
 def bench_model_folder(cfg: TrainConfig) -> Path:
     import os
 
-    from .data import DEFAULT_CACHE_DIR
+    from .data.prepare import DEFAULT_CACHE_DIR
 
     return Path(os.path.expanduser(cfg.cache_dir or DEFAULT_CACHE_DIR)) / "bench_models"
 
@@ -197,15 +197,15 @@ def measure_configuration(name: str, cfg: TrainConfig, warmup_steps: int) -> dic
     import torch
     import torch.distributed as dist
 
-    from .engine import build_engines
-    from .flops import plan_attention_sq
-    from .models import assert_packing_exact
-    from .packing import iter_plan
-    from .reference import load_precomputed_reference
-    from .trainer import DPOTrainer, StepTimer, prepare_run, throughput_meter
+    from .run.engines import build_engines
+    from .model.flops import plan_attention_sq
+    from .model.guard import assert_packing_exact
+    from .data.plan import iter_plan
+    from .run.reference import load_precomputed_reference
+    from .run.trainer import DPOTrainer, StepTimer, prepare_run, throughput_meter
 
     run = prepare_run(cfg)
-    packed = not cfg.no_packing
+    packed = cfg.packing
     with PeakMemory(run.device_type) as memory:
         policy, reference = build_engines(cfg, run.ds_config, len(run.tokenizer), run.attn)
         trainer = DPOTrainer(run, policy, load_precomputed_reference(run) or reference)
@@ -299,7 +299,7 @@ def environment(device_type: str) -> dict:
 
 
 def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
-    from .engine import model_config
+    from .run.engines import model_config
 
     hf = model_config(cfg, vocab_size)
     return {"source": cfg.model or cfg.model_config or "tiny", "architecture": (hf.architectures or [hf.model_type])[0],
@@ -309,7 +309,7 @@ def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
 
 
 def check_enough_steps(run, warmup_steps: int) -> None:
-    from .packing import steps_per_epoch
+    from .data.plan import steps_per_epoch
 
     lengths = (run.prepared.chosen_lengths, run.prepared.rejected_lengths)
     available = sum(steps_per_epoch(*lengths, run.plan_cfg, epoch=e) for e in range(run.cfg.epochs))
@@ -337,7 +337,7 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
     import torch.distributed as dist
 
     from .report import build_report, write_report_folder
-    from .trainer import init_process_group, prepare_run
+    from .run.trainer import init_process_group, prepare_run
 
     first = prepare_run(cfg)  # every input check before any process group or engine
     check_enough_steps(first, settings.bench_warmup_steps)
@@ -365,8 +365,6 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import run_guarded
-
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def job() -> int:

@@ -18,29 +18,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .errors import InputError
+from .errors import InputError, run_guarded
 
 LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-def run_guarded(job: Callable[[], int]) -> int:
-    """Turns user errors into one line and exit code 2 (no traceback for a user's mistake)."""
-    try:
-        return job()
-    except InputError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except RuntimeError as error:
-        from .models import PackingNotExactError
-        from .trainer import RunAbortedError
-
-        if isinstance(error, PackingNotExactError):
-            print(f"error: {error}", file=sys.stderr)
-            return 3
-        if isinstance(error, RunAbortedError):
-            print(f"error: {error}", file=sys.stderr)
-            return error.exit_code
-        raise
 
 
 def free_port() -> int:
@@ -74,8 +54,8 @@ def cmd_prepare(argv: list[str]) -> int:
 
     def job() -> int:
         from .config import config_from_args
-        from .data import DataConfig, prepare_pairs, run_prepare
-        from .trainer import _tokenizer_and_rows
+        from .data.prepare import DataConfig, prepare_pairs, run_prepare
+        from .run.trainer import _tokenizer_and_rows
 
         cfg = config_from_args(args)
         tokenizer, rows = _tokenizer_and_rows(cfg)
@@ -99,8 +79,8 @@ def cmd_pack_stats(argv: list[str]) -> int:
 
     def job() -> int:
         from .config import config_from_args
-        from .packing import PlanConfig, iter_plan, pack_stats, write_plan_jsonl
-        from .trainer import _tokenizer_and_rows, prepare_data
+        from .data.plan import PlanConfig, iter_plan, pack_stats, write_plan_jsonl
+        from .run.trainer import _tokenizer_and_rows, prepare_data
 
         cfg = config_from_args(args)
         if args.world_size < 1:
@@ -136,7 +116,7 @@ def cmd_check(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def job() -> int:
-        from .models import run_check
+        from .check import run_check
 
         result = run_check(args.model, args.tokenizer or args.model, attn=args.attn, dataset=args.dataset,
                            pairs=args.pairs, trust_remote_code=args.trust_remote_code, dtype=args.dtype)
@@ -188,7 +168,7 @@ def _check_train(argv: list[str], procs: int) -> None:
     """Train's phase one (settings, DeepSpeed config, output folder, data rows, resume point); its tokenization
     fills the cache the ranks then read."""
     from .config import parse_train_args
-    from .trainer import prepare_run
+    from .run.trainer import prepare_run
 
     prepare_run(parse_train_args(argv), world_size=procs)
 
@@ -202,7 +182,7 @@ def cmd_train(argv: list[str]) -> int:
 def cmd_precompute_ref(argv: list[str]) -> int:
     from .precompute_ref import main as rank_main
     from .precompute_ref import parse_args
-    from .reference import check_output_path
+    from .run.reference import check_output_path
 
     def validate(rest: list[str], procs: int):
         cfg, out = parse_args(rest)
@@ -222,7 +202,7 @@ def cmd_export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def job() -> int:
-        from .export import export_checkpoint
+        from .run.export import export_checkpoint
 
         print(json.dumps(export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite,
                                            trust_remote_code=args.trust_remote_code)))

@@ -65,7 +65,8 @@ class TrainConfig:
     global_batch_pairs: int | None = _opt("Pairs per optimizer step, over all ranks (default 64 unless --tokens-per-step).")
     tokens_per_step: int | None = _opt("Alternative to --global-batch-pairs: close a step once its pairs hold this many tokens.")
     micro_batch_pairs: int = _opt("Pairs per padded micro-batch (with --no-packing).", 4)
-    no_packing: bool = _opt("Train on padded micro-batches instead of packed rows (the baseline).", False)
+    packing: bool = _opt("Pack pairs padding-free into rows (the default); --no-packing trains on padded micro-batches "
+                         "instead (the baseline).", True)
     drop_last: bool = _opt("Drop the last incomplete step of every epoch.", False)
     attention_weight: float = _opt("Balance ranks on tokens + W * sum of squared sequence lengths.", 0.0)
     epochs: int = _opt("Passes over the data.", 1)

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import sys
 
-from .cli import run_guarded
+from .errors import run_guarded
 from .config import add_arguments, config_from_args
 
 
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute
 
 
 def _packed_row(columns, pair_indices, pad_token_id: int):
-    from .collate import collate_packed
+    from .model.collate import collate_packed
 
     cols = columns[list(pair_indices)] if pair_indices else {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
     pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
@@ -45,12 +45,12 @@ def precompute(cfg, out: str | None) -> dict | None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from .engine import build_reference
-    from .models import assert_packing_exact
-    from .packing import iter_plan
-    from .reference import (RECORD_KEYS, check_output_path, reference_fingerprint, reference_logps,
+    from .run.engines import build_reference
+    from .model.guard import assert_packing_exact
+    from .data.plan import iter_plan
+    from .run.reference import (RECORD_KEYS, check_output_path, reference_fingerprint, reference_logps,
                             write_reference)
-    from .trainer import init_process_group, prepare_run
+    from .run.trainer import init_process_group, prepare_run
 
     path = check_output_path(out, cfg.overwrite)
     # The run's output folder is the one of --out, which may hold other files.

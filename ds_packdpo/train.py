@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from .cli import run_guarded
+from .errors import run_guarded
 from .config import parse_train_args
 
 
 def main(argv: list[str] | None = None) -> int:
     def job() -> int:
-        from .trainer import train
+        from .run.trainer import train
 
         train(parse_train_args(argv, prog="ds_packdpo.train"))
         return 0

@@ -2,8 +2,8 @@
 
 The stage: final hidden states [1, T, H] -> per-sequence completion log-probs ->
 backward into the hidden states and the lm_head weight.  ``plain`` applies the
-lm_head to the whole row and reduces the [T, V] logits (ds_packdpo.logps.sequence_logps);
-``lean`` is ds_packdpo.logps.lean_token_logps (chunks of completion tokens, recomputed in
+lm_head to the whole row and reduces the [T, V] logits (ds_packdpo.model.logps.sequence_logps);
+``lean`` is ds_packdpo.model.logps.lean_token_logps (chunks of completion tokens, recomputed in
 backward).
 
 Peak memory: torch's CPU allocations are invisible to tracemalloc, so every
@@ -41,7 +41,7 @@ def _rss_bytes() -> int:
 def child(args) -> dict:
     import torch
 
-    from ds_packdpo.logps import _per_sequence, lean_token_logps, sequence_logps
+    from ds_packdpo.model.logps import _per_sequence, lean_token_logps, sequence_logps
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

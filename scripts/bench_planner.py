@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ds_packdpo.packing import PlanConfig, iter_plan
+from ds_packdpo.data.plan import PlanConfig, iter_plan
 
 
 def main() -> None:

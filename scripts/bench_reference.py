@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--global-batch-pairs", type=int, default=16)
     args = parser.parse_args()
 
-    from ds_packdpo.models import tiny_config
+    from ds_packdpo.model.build import tiny_config
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,11 +20,12 @@ from contextlib import contextmanager
 
 import torch
 
-from ds_packdpo.attention import flash_attention_available, is_flash
-from ds_packdpo.collate import collate_packed, collate_padded
-from ds_packdpo.logps import SequenceLogps, forward_logps
-from ds_packdpo.losses import LossConfig, global_normalized_loss, pair_losses
-from ds_packdpo.models import build_model, packing_exactness, synthetic_pairs
+from ds_packdpo.model.attention import flash_attention_available, is_flash
+from ds_packdpo.model.collate import collate_packed, collate_padded
+from ds_packdpo.model.logps import SequenceLogps, forward_logps
+from ds_packdpo.model.losses import LossConfig, global_normalized_loss, pair_losses
+from ds_packdpo.model.build import build_model
+from ds_packdpo.model.guard import packing_exactness, synthetic_pairs
 
 VOCAB = 1024
 # fp32 must agree like on CPU; bf16 rounds differently per layout (reported, to calibrate the guard).

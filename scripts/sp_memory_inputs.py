@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from ds_packdpo.models import tiny_config
-from ds_packdpo.tokenizer import train_bpe_tokenizer
+from ds_packdpo.model.build import tiny_config
+from ds_packdpo.data.tokenizer import train_bpe_tokenizer
 
 DEMO = Path(__file__).resolve().parents[2] / "shared/data/dpo_en_demo.json"
 

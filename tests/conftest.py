@@ -9,7 +9,7 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from ds_packdpo.tokenizer import train_bpe_tokenizer
+from ds_packdpo.data.tokenizer import train_bpe_tokenizer
 
 DPO_DEMO_PATH = Path(__file__).resolve().parents[2] / "shared/data/dpo_en_demo.json"
 DATASET_KINDS = ("json", "jsonl", "parquet", "arrow", "disk")

@@ -10,10 +10,11 @@ import statistics
 import pytest
 import torch
 
-from ds_packdpo import bench, cli
+from ds_packdpo import bench
+from ds_packdpo import cli
 from ds_packdpo.errors import InputError
-from ds_packdpo.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
-from ds_packdpo.models import build_model, tiny_config
+from ds_packdpo.model.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
+from ds_packdpo.model.build import build_model, tiny_config
 from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, check_report, merge_reports, read_report,
                                write_merged)
 
@@ -117,7 +118,7 @@ def test_plain_logps_and_precomputed_reference_configurations(bench_folder):
     report = read_report(bench_folder)
     runs = report["runs"]
     packed, plain, precomputed = runs["packed"], runs["packed-plain-logps"], runs["packed-precomputed-ref"]
-    assert plain["overrides"] == {"no_packing": False, "logps_impl": "plain"}
+    assert plain["overrides"] == {"packing": True, "logps_impl": "plain"}
     for other in (plain, precomputed):
         assert [s["sequence_lengths"] for s in other["steps"]] == [s["sequence_lengths"] for s in packed["steps"]]
         assert other["real_tokens"] == other["computed_tokens"] == packed["real_tokens"]

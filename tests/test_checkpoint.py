@@ -16,7 +16,7 @@ import torch
 from launching import BIN, cpu_env, deepspeed_module, free_port, rank_module, read_metrics, run, two_node_launch
 
 from ds_packdpo import cli
-from ds_packdpo.checkpoint import LATEST, STATE_FILE
+from ds_packdpo.run.checkpoint import LATEST, STATE_FILE
 
 COMMON = ["--synthetic-pairs", "48", "--global-batch-pairs", "8", "--max-length", "96", "--lr", "1e-3",
           "--dtype", "fp32", "--no-progress", "--max-steps", "6"]
@@ -85,11 +85,11 @@ def test_nan_steps_are_skipped_then_the_run_aborts(tmp_path):
 
 def step_logps(model, tmp_path: Path, step: int, tokenizer) -> tuple[float, float]:
     """Mean chosen/rejected log-probs of ``model`` over the pairs of optimizer ``step`` (one packed row)."""
-    from ds_packdpo.collate import collate_packed
+    from ds_packdpo.model.collate import collate_packed
     from ds_packdpo.config import parse_train_args
-    from ds_packdpo.logps import forward_logps
-    from ds_packdpo.packing import iter_plan
-    from ds_packdpo.trainer import prepare_run
+    from ds_packdpo.model.logps import forward_logps
+    from ds_packdpo.data.plan import iter_plan
+    from ds_packdpo.run.trainer import prepare_run
 
     run_ = prepare_run(parse_train_args(flags(tmp_path, "plan_only")))
     plan = next(iter(iter_plan(run_.prepared.chosen_lengths, run_.prepared.rejected_lengths, run_.plan_cfg, 1,
@@ -187,7 +187,7 @@ def fake_checkpoint(tag_dir: Path, world_size: int, ranks_written: int, **state)
 
 def test_latest_only_moves_to_a_complete_checkpoint(tmp_path):
     """A save interrupted before every rank's files are there leaves ``latest`` on the previous checkpoint."""
-    from ds_packdpo.checkpoint import missing_files, resolve_checkpoint, write_latest
+    from ds_packdpo.run.checkpoint import missing_files, resolve_checkpoint, write_latest
     from ds_packdpo.errors import InputError
 
     save_dir = tmp_path / "ckpt"
@@ -207,7 +207,7 @@ def test_rng_state_round_trips_with_weights_only(tmp_path):
 
     import numpy as np
 
-    from ds_packdpo.checkpoint import rng_state, set_rng_state
+    from ds_packdpo.run.checkpoint import rng_state, set_rng_state
 
     torch.save(rng_state(), tmp_path / "rng.pt")
     expected = (torch.rand(3), np.random.rand(3), random.random())
@@ -219,7 +219,7 @@ def test_rng_state_round_trips_with_weights_only(tmp_path):
 
 
 def test_prune_keeps_the_newest(tmp_path):
-    from ds_packdpo.checkpoint import prune
+    from ds_packdpo.run.checkpoint import prune
 
     for step in (3, 6, 9, 12):
         (tmp_path / f"global_step{step}").mkdir()
@@ -228,7 +228,7 @@ def test_prune_keeps_the_newest(tmp_path):
 
 
 def test_trim_metrics_drops_undone_and_torn_records(tmp_path):
-    from ds_packdpo.checkpoint import trim_metrics
+    from ds_packdpo.run.checkpoint import trim_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')

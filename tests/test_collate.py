@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ds_packdpo.collate as collate_module
-from ds_packdpo.collate import ModelBatch, collate_packed, collate_padded
+import ds_packdpo.model.collate as collate_module
+from ds_packdpo.model.collate import ModelBatch, collate_packed, collate_padded
 from ds_packdpo.errors import InputError
 
 PAD = 0

@@ -15,8 +15,8 @@ from conftest import DATASET_KINDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_packdpo import data
-from ds_packdpo.data import DataConfig, prepare_pairs, run_prepare, tokenizer_fingerprint, truncation_lengths, write_pairs_jsonl
+from ds_packdpo.data import prepare as data
+from ds_packdpo.data.prepare import DataConfig, prepare_pairs, run_prepare, tokenizer_fingerprint, truncation_lengths, write_pairs_jsonl
 from ds_packdpo.errors import InputError
 
 # One canonical set of pairs, written below in each of the four formats.

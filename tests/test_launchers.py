@@ -24,7 +24,7 @@ from launching import REPO, SMALL_RUN, cpu_env, free_port, launch_script, read_m
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.engine import fill_ds_config, load_ds_config, reference_ds_config
+from ds_packdpo.run.engines import fill_ds_config, load_ds_config, reference_ds_config
 
 LN2 = math.log(2.0)
 COMPARED = ("loss", "grad_norm", "rewards/margins")

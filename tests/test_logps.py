@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_packdpo.logps import sequence_logps
+from ds_packdpo.model.logps import sequence_logps
 
 
 def random_layout(g: torch.Generator, rows: int, length: int, vocab: int, sequences: int):
@@ -111,7 +111,7 @@ def _grads(module: torch.nn.Module, *tensors: torch.Tensor) -> list[torch.Tensor
 def test_lean_values_and_gradients_match_plain(rows, length, vocab, hidden, sequences, chunk, bias, seed):
     """lm_head + chunked label log-probs on full logits vs the lean function on hidden states: values and
     gradients (hidden states, lm_head weight and bias) agree to 1e-5."""
-    from ds_packdpo.logps import lean_token_logps
+    from ds_packdpo.model.logps import lean_token_logps
 
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(hidden, vocab, bias=bias)
@@ -148,9 +148,10 @@ def test_lean_forward_matches_plain_on_a_model(arch, tied):
     parameter's gradient (tied embeddings too), and lean never saves a [T, V] tensor for backward."""
     from transformers import AutoModelForCausalLM
 
-    from ds_packdpo.collate import collate_packed, collate_padded
-    from ds_packdpo.logps import forward_logps
-    from ds_packdpo.models import synthetic_pairs, tiny_config
+    from ds_packdpo.model.collate import collate_packed, collate_padded
+    from ds_packdpo.model.logps import forward_logps
+    from ds_packdpo.model.build import tiny_config
+    from ds_packdpo.model.guard import synthetic_pairs
 
     vocab = 300
     torch.manual_seed(0)
@@ -180,8 +181,8 @@ def test_lean_forward_matches_plain_on_a_model(arch, tied):
 def test_lean_falls_back_to_plain_for_post_processed_logits():
     from transformers import AutoModelForCausalLM
 
-    from ds_packdpo.logps import lean_lm_head
-    from ds_packdpo.models import tiny_config
+    from ds_packdpo.model.logps import lean_lm_head
+    from ds_packdpo.model.build import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=64))
     assert lean_lm_head(model) is model.lm_head

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_packdpo.errors import InputError
-from ds_packdpo.logps import SequenceLogps, sequence_logps
-from ds_packdpo.losses import (LOSS_TYPES, LossConfig, global_normalized_loss, metric_means, metric_sums,
+from ds_packdpo.model.logps import SequenceLogps, sequence_logps
+from ds_packdpo.model.losses import (LOSS_TYPES, LossConfig, global_normalized_loss, metric_means, metric_sums,
                                pair_losses)
 
 VOCAB = 40

@@ -8,12 +8,15 @@ import json
 import pytest
 import torch
 
-from ds_packdpo import attention, models
-from ds_packdpo.attention import ATTN_CHOICES, model_forward_kwargs, resolve_attn
-from ds_packdpo.collate import collate_packed, collate_padded
+from ds_packdpo.model import attention
+from ds_packdpo import check as check_command
+from ds_packdpo.model.attention import ATTN_CHOICES, model_forward_kwargs, resolve_attn
+from ds_packdpo.model.collate import collate_packed, collate_padded
 from ds_packdpo.errors import InputError
-from ds_packdpo.models import (PackingNotExactError, assert_packing_exact, build_model, load_model_config,
-                               packing_exactness, run_check, synthetic_pairs, tiny_config)
+from ds_packdpo.check import run_check
+from ds_packdpo.model.build import build_model, load_model_config, tiny_config
+from ds_packdpo.model.guard import assert_packing_exact, packing_exactness, synthetic_pairs
+from ds_packdpo.errors import PackingNotExactError
 
 VOCAB = 256
 PAIRS = [
@@ -200,7 +203,7 @@ def test_guard_restores_training_mode_and_is_deterministic(tiny_llama):
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer_folders(tmp_path_factory):
-    from ds_packdpo.tokenizer import train_bpe_tokenizer
+    from ds_packdpo.data.tokenizer import train_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("check")
     tokenizer = train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=300)
@@ -220,8 +223,8 @@ def test_run_check_reports_json_and_ok(model_and_tokenizer_folders):
 
 def test_run_check_not_ok_for_a_cross_attending_model(model_and_tokenizer_folders, monkeypatch):
     model_dir, tok_dir = model_and_tokenizer_folders
-    real_build = models.build_model
-    monkeypatch.setattr(models, "build_model", lambda *a, **k: CrossAttending(real_build(*a, **k), "cache"))
+    real_build = check_command.build_model
+    monkeypatch.setattr(check_command, "build_model", lambda *a, **k: CrossAttending(real_build(*a, **k), "cache"))
     assert not run_check(model_dir, tok_dir, attn="sdpa", pairs=2)["ok"]
 
 
@@ -261,7 +264,7 @@ def test_flash_kwargs_reach_the_attention_layers_and_give_exact_logps():
     """
     from transformers import AttentionInterface
 
-    from ds_packdpo.logps import sequence_logps
+    from ds_packdpo.model.logps import sequence_logps
 
     AttentionInterface.register("varlen_reference", varlen_reference_attention)
     model = build_model(None, "tiny-qwen2", VOCAB, torch.float32, "varlen_reference", seed=2)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_packdpo.errors import InputError
-from ds_packdpo.packing import (
+from ds_packdpo.data.plan import (
     PlanConfig,
     _karmarkar_karp,
     iter_plan,

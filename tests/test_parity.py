@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_packdpo.attention import varlen_attention
-from ds_packdpo.collate import collate_packed, collate_padded
-from ds_packdpo.logps import SequenceLogps, forward_logps
-from ds_packdpo.losses import LossConfig, global_normalized_loss, pair_losses
-from ds_packdpo.models import assert_packing_exact, build_model
+from ds_packdpo.model.attention import varlen_attention
+from ds_packdpo.model.collate import collate_packed, collate_padded
+from ds_packdpo.model.logps import SequenceLogps, forward_logps
+from ds_packdpo.model.losses import LossConfig, global_normalized_loss, pair_losses
+from ds_packdpo.model.build import build_model
+from ds_packdpo.model.guard import assert_packing_exact
 
 VOCAB = 512
 LOSSES = [LossConfig("sigmoid", beta=0.5), LossConfig("ipo", beta=0.5), LossConfig("simpo", beta=2.0, rpo_alpha=0.5)]

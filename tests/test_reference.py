@@ -23,8 +23,8 @@ def save_tiny_model(folder: Path, seed: int) -> Path:
     differ from those built without it for the same seed, and the padded check below
     runs without DeepSpeed.
     """
-    from ds_packdpo.models import build_model
-    from ds_packdpo.synthetic import default_tokenizer, synthetic_preference_rows
+    from ds_packdpo.model.build import build_model
+    from ds_packdpo.data.synthetic import default_tokenizer, synthetic_preference_rows
 
     tokenizer = default_tokenizer(synthetic_preference_rows(48, seed=0))
     build_model(None, "tiny", len(tokenizer), torch.float32, "sdpa", seed=seed).save_pretrained(folder)
@@ -35,9 +35,9 @@ def save_tiny_model(folder: Path, seed: int) -> Path:
 def padded_reference_logps(flags: list[str]) -> dict[int, tuple[float, float, int, int]]:
     """Independent of packing, chunking and lean log-probs: the model loaded without DeepSpeed, padded rows,
     a full log_softmax and a masked sum per row."""
-    from ds_packdpo.collate import collate_padded
-    from ds_packdpo.models import build_model
-    from ds_packdpo.trainer import _tokenizer_and_rows, prepare_data
+    from ds_packdpo.model.collate import collate_padded
+    from ds_packdpo.model.build import build_model
+    from ds_packdpo.run.trainer import _tokenizer_and_rows, prepare_data
 
     cfg = parse_train_args(flags)
     tokenizer, rows = _tokenizer_and_rows(cfg)
@@ -80,8 +80,8 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
     records = [json.loads(line) for line in out.read_text().splitlines()]
     meta = json.loads(Path(f"{out}.meta.json").read_text())
     assert meta["info"]["world_size"] == 2 and meta["fingerprint"]["dtype"] == "fp32"
-    from ds_packdpo.data import DataConfig, run_prepare
-    from ds_packdpo.trainer import _tokenizer_and_rows
+    from ds_packdpo.data.prepare import DataConfig, run_prepare
+    from ds_packdpo.run.trainer import _tokenizer_and_rows
 
     cfg = parse_train_args([*cache, *SMALL_RUN])
     tokenizer, rows = _tokenizer_and_rows(cfg)

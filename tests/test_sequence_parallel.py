@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ds_packdpo.attention import ULYSSES_ATTN
-from ds_packdpo.collate import IGNORE_INDEX, collate_packed
+from ds_packdpo.model.attention import ULYSSES_ATTN
+from ds_packdpo.model.collate import IGNORE_INDEX, collate_packed
 from ds_packdpo.errors import InputError
-from ds_packdpo.models import synthetic_pairs, tiny_config
-from ds_packdpo.sequence_parallel import (check_model_heads, data_parallel_size, kv_replication, segment_sdpa,
+from ds_packdpo.model.build import tiny_config
+from ds_packdpo.model.guard import synthetic_pairs
+from ds_packdpo.run.sequence_parallel import (check_model_heads, data_parallel_size, kv_replication, segment_sdpa,
                                           slice_row)
 
 PAD = 3
@@ -97,8 +98,8 @@ def _rank_main(rank: int, port: int, results):
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     import deepspeed
 
-    from ds_packdpo.logps import forward_logps
-    from ds_packdpo.sequence_parallel import init_sequence_parallel
+    from ds_packdpo.model.logps import forward_logps
+    from ds_packdpo.run.sequence_parallel import init_sequence_parallel
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     sp, _ = init_sequence_parallel(2, "sdpa", PAD)

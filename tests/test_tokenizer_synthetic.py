@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_packdpo.data import DataConfig, prepare_pairs, tokenizer_fingerprint
+from ds_packdpo.data.prepare import DataConfig, prepare_pairs, tokenizer_fingerprint
 from ds_packdpo.errors import InputError
-from ds_packdpo.synthetic import (
+from ds_packdpo.data.synthetic import (
     BAD_WORDS,
     GOOD_WORDS,
     NEUTRAL,
@@ -15,7 +15,7 @@ from ds_packdpo.synthetic import (
     synthetic_corpus,
     synthetic_preference_rows,
 )
-from ds_packdpo.tokenizer import load_tokenizer, train_bpe_tokenizer
+from ds_packdpo.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine", "hello world, hello tokenizer"] * 20
 

@@ -20,9 +20,10 @@ from deepspeed.utils import safe_get_full_grad
 from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
-from ds_packdpo.collate import collate_packed
-from ds_packdpo.logps import forward_logps
-from ds_packdpo.models import synthetic_pairs, tiny_config
+from ds_packdpo.model.collate import collate_packed
+from ds_packdpo.model.logps import forward_logps
+from ds_packdpo.model.build import tiny_config
+from ds_packdpo.model.guard import synthetic_pairs
 
 DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import InputError
-from .files import atomic_write
-from .logps import SequenceLogps, forward_logps
+from ..errors import InputError
+from ..files import atomic_write
+from ..model.logps import SequenceLogps, forward_logps
 
 FORMAT_VERSION = 1
 RECORD_KEYS = ("pair_id", "chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")
@@ -53,7 +53,7 @@ def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
     Hashing the weight files reads them once (about 1 GB/s): the price of never
     training against log-probs of another checkpoint saved at the same path.
     """
-    from .models import load_model_config
+    from ..model.build import load_model_config
 
     folder = cfg.ref_model or cfg.model
     if folder is None:
@@ -73,8 +73,8 @@ def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
 def reference_fingerprint(run) -> dict:
     """Everything that changes a pair's reference log-probs (of a PreparedRun); the row layout and world size do
     not (invariant 2)."""
-    from .data import tokenizer_fingerprint
-    from .engine import zero_stage
+    from ..data.prepare import tokenizer_fingerprint
+    from .engines import zero_stage
 
     cfg = run.cfg
     return {

@@ -32,10 +32,10 @@ from collections.abc import Callable
 
 import torch
 
-from .attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, varlen_attention
-from .collate import IGNORE_INDEX, ModelBatch
-from .errors import InputError
-from .logps import SequenceLogps, forward_logps
+from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, varlen_attention
+from ..model.collate import IGNORE_INDEX, ModelBatch
+from ..errors import InputError
+from ..model.logps import SequenceLogps, forward_logps
 
 # (q, k, v, cu_seqlens, max_seqlen, *, scale) -> out; q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0, out [T, Hq, D].
 LocalVarlenAttention = Callable[..., torch.Tensor]

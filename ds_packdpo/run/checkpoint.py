@@ -33,9 +33,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import TrainConfig
-from .errors import InputError
-from .files import atomic_write
+from ..config import TrainConfig
+from ..errors import InputError
+from ..files import atomic_write
 
 STATE_FILE = "ds_packdpo_state.json"
 HF_FOLDER = "hf"

@@ -15,8 +15,8 @@ import json
 import os
 from pathlib import Path
 
-from .config import REPO_DS_CONFIGS, TrainConfig
-from .errors import InputError
+from ..config import REPO_DS_CONFIGS, TrainConfig
+from ..errors import InputError
 
 # Keys ds_packdpo owns: each must be "auto" (or the one value the run implies).
 _PINNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -152,7 +152,7 @@ def _build(cfg: TrainConfig, ds_config: dict, model_path: str | None, vocab_size
     import torch
     from transformers.integrations import HfDeepSpeedConfig
 
-    from .models import build_model
+    from ..model.build import build_model
 
     # While this object lives, transformers wraps from_pretrained/from_config in deepspeed.zero.Init,
     # so no rank ever holds the full weights.
@@ -202,7 +202,7 @@ def build_reference(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: st
 
 def model_config(cfg: TrainConfig, vocab_size: int):
     """The policy's HF config alone (cheap: no weights)."""
-    from .models import load_model_config
+    from ..model.build import load_model_config
 
     if cfg.model is not None:
         from transformers import AutoConfig

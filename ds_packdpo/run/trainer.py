@@ -26,29 +26,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from .config import TrainConfig, to_dict
-from .errors import InputError
+from ..config import TrainConfig, to_dict
+from ..errors import InputError, PeerFailureError, RunAbortedError, TooManyBadStepsError
 
 STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens")
 logger = logging.getLogger("ds_packdpo")
-
-
-class RunAbortedError(RuntimeError):
-    """The run cannot go on; the message is one line for the user, the CLI exits with ``exit_code``."""
-
-    exit_code = 1
-
-
-class TooManyBadStepsError(RunAbortedError):
-    """--max-bad-steps consecutive steps had a non-finite loss or gradient."""
-
-    exit_code = 4
-
-
-class PeerFailureError(RunAbortedError):
-    """A collective failed: another rank died (its connection closed) or stalled past --collective-timeout-s."""
-
-    exit_code = 5
 
 
 def _is_collective_failure(error: RuntimeError) -> bool:
@@ -76,7 +58,7 @@ class PreparedRun:
     @property
     def model_attn(self) -> str:
         """The model's attn_implementation: Ulysses (around ``attn``) under sequence parallelism."""
-        from .attention import ULYSSES_ATTN
+        from ..model.attention import ULYSSES_ATTN
 
         return ULYSSES_ATTN if self.cfg.sequence_parallel_size > 1 else self.attn
 
@@ -86,8 +68,8 @@ class PreparedRun:
 
 
 def _tokenizer_and_rows(cfg: TrainConfig):
-    from .synthetic import default_tokenizer, synthetic_preference_rows
-    from .tokenizer import load_tokenizer
+    from ..data.synthetic import default_tokenizer, synthetic_preference_rows
+    from ..data.tokenizer import load_tokenizer
 
     rows = None
     if cfg.dataset is None:
@@ -105,7 +87,7 @@ def prepare_data(cfg: TrainConfig, tokenizer, rows):
     """Tokenizes once per node: the first rank to take the lock builds the cache, the others then read it."""
     from filelock import FileLock
 
-    from .data import DEFAULT_CACHE_DIR, DataConfig, prepare_pairs
+    from ..data.prepare import DEFAULT_CACHE_DIR, DataConfig, prepare_pairs
 
     cache_dir = Path(os.path.expanduser(cfg.cache_dir or DEFAULT_CACHE_DIR))
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -133,11 +115,11 @@ def prepare_run(cfg: TrainConfig, world_size: int | None = None) -> PreparedRun:
     """Phase one: every check that needs no process group (``world_size``: the launch's, when not yet launched)."""
     from deepspeed.accelerator import get_accelerator
 
-    from .attention import resolve_attn
+    from ..model.attention import resolve_attn
     from .checkpoint import check_resume
-    from .engine import fill_ds_config, launch_world_size, load_ds_config, model_hidden_size, zero_stage
-    from .losses import LossConfig
-    from .packing import PlanConfig, validate_lengths
+    from .engines import fill_ds_config, launch_world_size, load_ds_config, model_hidden_size, zero_stage
+    from ..model.losses import LossConfig
+    from ..data.plan import PlanConfig, validate_lengths
 
     device_type = get_accelerator().device_name()
     attn = resolve_attn(cfg.attn, device_type)
@@ -156,7 +138,7 @@ def prepare_run(cfg: TrainConfig, world_size: int | None = None) -> PreparedRun:
                           world_size=dp_world_size, seed=cfg.seed,
                           global_batch_pairs=cfg.batch_pairs, tokens_per_step=cfg.tokens_per_step,
                           drop_last=cfg.drop_last, attention_weight=cfg.attention_weight,
-                          packing=not cfg.no_packing, micro_batch_pairs=cfg.micro_batch_pairs)
+                          packing=cfg.packing, micro_batch_pairs=cfg.micro_batch_pairs)
     prepared = prepare_data(cfg, tokenizer, rows)
     if len(prepared.chosen_lengths) == 0:
         raise InputError(f"--dataset {cfg.dataset or 'synthetic'}: no pairs left after validation and truncation")
@@ -177,14 +159,14 @@ RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RAN
 
 def check_sequence_parallel_settings(cfg: TrainConfig, world_size: int, attn: str, vocab_size: int) -> int:
     """The data-parallel size (world / --sequence-parallel-size), or InputError for a layout that cannot work."""
-    from .engine import model_config
+    from .engines import model_config
     from .sequence_parallel import check_attention, check_model_heads, data_parallel_size
 
     sp_size = cfg.sequence_parallel_size
     dp_world_size = data_parallel_size(world_size, sp_size)
     if sp_size > 1:
         check_attention(attn, sp_size)
-        if cfg.no_packing:
+        if not cfg.packing:
             raise InputError(f"--sequence-parallel-size {sp_size} splits packed rows; it cannot be combined with "
                              f"--no-packing")
         where = f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
@@ -233,8 +215,8 @@ class DPOTrainer:
     def __init__(self, run: PreparedRun, policy, reference, sequence_parallel=None):
         import torch.distributed as dist
 
-        from .engine import zero_stage
-        from .logps import forward_logps
+        from .engines import zero_stage
+        from ..model.logps import forward_logps
         from .sequence_parallel import gradient_average_size
 
         self.run = run
@@ -259,7 +241,7 @@ class DPOTrainer:
 
     # ------------------------------------------------------------------
     def _row_batch(self, row):
-        from .collate import collate_packed, collate_padded
+        from ..model.collate import collate_packed, collate_padded
 
         indices = list(row.pairs)
         if indices:
@@ -268,7 +250,7 @@ class DPOTrainer:
                      for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
         else:
             pairs = []
-        collate = collate_padded if self.cfg.no_packing else collate_packed
+        collate = collate_packed if self.cfg.packing else collate_padded
         return collate(pairs, indices, self.pad_token_id).to(self.device)
 
     def _reference_logps(self, batch):
@@ -300,7 +282,7 @@ class DPOTrainer:
         import torch
         import torch.distributed as dist
 
-        from .losses import global_normalized_loss, metric_means, metric_sums, pair_losses
+        from ..model.losses import global_normalized_loss, metric_means, metric_sums, pair_losses
 
         rows = plan.ranks[self.plan_rank]
         sums: dict[str, torch.Tensor] = {}
@@ -364,7 +346,7 @@ class DPOTrainer:
 
 
 def total_steps(run: PreparedRun) -> int:
-    from .packing import steps_per_epoch
+    from ..data.plan import steps_per_epoch
 
     lengths = (run.prepared.chosen_lengths, run.prepared.rejected_lengths)
     steps = sum(steps_per_epoch(*lengths, run.plan_cfg, epoch=e) for e in range(run.cfg.epochs))
@@ -373,10 +355,10 @@ def total_steps(run: PreparedRun) -> int:
 
 def throughput_meter(run: PreparedRun, policy, reference):
     """Model TFLOP/s and MFU per step, counted like the bench counts them (``flops.py``)."""
-    from .flops import FlopModel, ThroughputMeter
+    from ..model.flops import FlopModel, ThroughputMeter
 
     return ThroughputMeter(FlopModel.of(policy, with_reference=reference is not None), run.prepared.chosen_lengths,
-                           run.prepared.rejected_lengths, packed=not run.cfg.no_packing, world_size=run.world_size,
+                           run.prepared.rejected_lengths, packed=run.cfg.packing, world_size=run.world_size,
                            peak_tflops=run.cfg.peak_tflops)
 
 
@@ -386,9 +368,9 @@ def train(cfg: TrainConfig) -> list[dict]:
 
     from . import faults
     from .checkpoint import Checkpointer, ResumePoint, trim_metrics
-    from .engine import build_engines, zero_stage
-    from .models import assert_packing_exact
-    from .packing import iter_plan
+    from .engines import build_engines, zero_stage
+    from ..model.guard import assert_packing_exact
+    from ..data.plan import iter_plan
     from .reference import load_precomputed_reference
 
     run = prepare_run(cfg)
@@ -405,7 +387,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     checkpointer = Checkpointer(cfg, run, trainer.rank, trainer.dp_world_size, zero_stage(run.ds_config))
     if resume is not None:
         checkpointer.restore(policy, resume)
-    if not cfg.no_packing and not cfg.skip_packing_check:
+    if cfg.packing and not cfg.skip_packing_check:
         assert_packing_exact(policy, run.model_attn, len(run.tokenizer), trainer.pad_token_id, device=trainer.device,
                              forward=trainer.forward_logps)
 

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from .checkpoint import HF_FOLDER, resolve_checkpoint
-from .errors import InputError
+from ..errors import InputError
 
 DTYPES = ("fp32", "bf16")
 

@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .errors import InputError
-from .files import atomic_write
+from ..errors import InputError
+from ..files import atomic_write
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt")
 CONVERSATIONAL_FORMATS = ("conversational", "implicit", "sharegpt")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 IGNORE_INDEX = -100
 

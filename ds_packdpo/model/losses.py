@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import InputError
+from ..errors import InputError
 from .logps import SequenceLogps
 
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 if TYPE_CHECKING:
     from .collate import ModelBatch

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError
-from .files import atomic_write
+from ..errors import InputError
+from ..files import atomic_write
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Data and planning: loading, validation, tokenization and the step plan (no torch, no process group)."""
