@@ -18,17 +18,34 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
+import os
+import platform
 import shlex
 import statistics
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import transformers
+from filelock import FileLock
+
 from .config import TrainConfig, add_arguments, config_from_args, to_dict
+from .data.plan import iter_plan, steps_per_epoch
+from .data.prepare import DEFAULT_CACHE_DIR
 from .errors import InputError, run_guarded
+from .model.build import tiny_config
+from .model.flops import plan_attention_sq
+from .precompute_ref import precompute
+from .report import build_report, write_report_folder
+from .run.assemble import RunSetup, prepare, start
+from .run.engines import model_config
+from .run.timing import PeakMemory, StepTimer, throughput_meter
+from .run.trainer import DPOTrainer
 
 # A configuration is a name and the TrainConfig fields it overrides; add one here and it can be
 # measured with --configurations.  "packed" and "padded" give the report's speedup.
@@ -104,10 +121,6 @@ def bench_model_config(cfg: TrainConfig, settings: BenchSettings, vocab_size: in
     """The run config with the bench model's config.json (written once per node) unless a model was given."""
     if cfg.model is not None or cfg.model_config is not None or not settings.bench_model:
         return cfg
-    from filelock import FileLock
-
-    from .model.build import tiny_config
-
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"bench_model_vocab{vocab_size}.json"
     with FileLock(str(path) + ".lock"):
@@ -118,105 +131,26 @@ def bench_model_config(cfg: TrainConfig, settings: BenchSettings, vocab_size: in
 
 
 def bench_model_folder(cfg: TrainConfig) -> Path:
-    import os
-
-    from .data.prepare import DEFAULT_CACHE_DIR
-
     return Path(os.path.expanduser(cfg.cache_dir or DEFAULT_CACHE_DIR)) / "bench_models"
 
 
-class PeakMemory:
-    """Peak memory of this process over one configuration.
-
-    On CUDA ``torch.cuda.max_memory_allocated`` (reset at start).  On CPU the RSS,
-    sampled every 10 ms by a thread: ``ru_maxrss`` is the peak of the process's
-    whole life, so it cannot tell the second configuration from the first.
-    """
-
-    def __init__(self, device_type: str, interval_s: float = 0.01):
-        self.device_type = device_type
-        self.interval_s = interval_s
-        self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread = None
-
-    @property
-    def kind(self) -> str:
-        return "cuda_max_allocated" if self.device_type == "cuda" else "rss"
-
-    def __enter__(self):
-        if self.device_type == "cuda":
-            import torch
-
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            import psutil
-
-            process = psutil.Process()
-
-            def sample():
-                while True:
-                    self.peak_bytes = max(self.peak_bytes, process.memory_info().rss)
-                    if self._stop.wait(self.interval_s):
-                        return
-
-            self._thread = threading.Thread(target=sample, name="bench-rss", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device_type == "cuda":
-            import torch
-
-            self.peak_bytes = int(torch.cuda.max_memory_allocated())
-        else:
-            self._stop.set()
-            self._thread.join()
-        return False
-
-
 def _percentile(values: list[float], q: float) -> float:
-    import numpy as np
-
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
-def _free_engines(*engines) -> None:
-    """Releases a configuration's engines before the next is built (ZeRO-3 hooks, buffers, caches)."""
-    for engine in engines:
-        if engine is not None and hasattr(engine, "destroy"):
-            engine.destroy()
-    gc.collect()
-    from deepspeed.accelerator import get_accelerator
-
-    get_accelerator().empty_cache()
-
-
-def measure_configuration(name: str, cfg: TrainConfig, warmup_steps: int) -> dict:
-    """Runs one configuration on this rank; returns its figures, aggregated over all ranks (same on every rank)."""
-    import torch
-    import torch.distributed as dist
-
-    from .run.engines import build_engines
-    from .model.flops import plan_attention_sq
-    from .model.guard import assert_packing_exact
-    from .data.plan import iter_plan
-    from .run.reference import load_precomputed_reference
-    from .run.trainer import DPOTrainer, StepTimer, prepare_run, throughput_meter
-
-    run = prepare_run(cfg)
-    packed = cfg.packing
-    with PeakMemory(run.device_type) as memory:
-        policy, reference = build_engines(cfg, run.ds_config, len(run.tokenizer), run.attn)
-        trainer = DPOTrainer(run, policy, load_precomputed_reference(run) or reference)
-        if packed and not cfg.skip_packing_check:
-            assert_packing_exact(policy, run.attn, len(run.tokenizer), trainer.pad_token_id, device=trainer.device)
-        meter = throughput_meter(run, policy, reference)
-        lengths = (run.prepared.chosen_lengths, run.prepared.rejected_lengths)
+def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict:
+    """Runs one configuration (phase one done) on this rank; returns its figures, aggregated over all ranks (the
+    same on every rank)."""
+    cfg, layout = setup.cfg, setup.layout
+    with PeakMemory(setup.device_type) as memory:
+        run = start(setup)
+        trainer = DPOTrainer(run)
+        meter = throughput_meter(run)
+        lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
         timer = StepTimer()
         steps = []
-        # Every rank holds the whole plan, so rank 0's records carry every rank's load.
-        for index, plan in enumerate(iter_plan(*lengths, run.plan_cfg, cfg.epochs)):
+        # Every rank holds the whole plan, so rank 0's records carry every data-parallel share's load.
+        for index, plan in enumerate(iter_plan(*lengths, setup.plan_cfg, cfg.epochs)):
             if index >= warmup_steps + cfg.max_steps:
                 break
             timer.begin()
@@ -225,27 +159,29 @@ def measure_configuration(name: str, cfg: TrainConfig, warmup_steps: int) -> dic
             if index < warmup_steps:
                 continue
             steps.append({
-                "step": index + 1, "step_time_s": seconds, "pairs": metrics["pairs"], "real_tokens": metrics["tokens"],
+                "step": index + 1, "step_time_s": seconds, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                "pairs": metrics["pairs"], "real_tokens": metrics["tokens"],
                 "computed_tokens": metrics["computed_tokens"], "rows_per_rank": metrics["rows_per_rank"],
                 "rank_tokens": list(plan.rank_tokens), "rank_computed_tokens": list(plan.rank_computed_tokens),
-                "attention_sq": plan_attention_sq(plan, *lengths, packed), "flops": meter.step_flops(plan),
-                "row_fill": [row.tokens / cfg.row_budget for rows in plan.ranks for row in rows if row.pairs],
+                "attention_sq": plan_attention_sq(plan, *lengths, cfg.packing), "flops": meter.step_flops(plan),
+                "row_fill": [row.tokens / setup.plan_cfg.max_tokens_per_row for rows in plan.ranks for row in rows
+                             if row.pairs],
                 "sequence_lengths": [int(lengths[k][p]) for p in plan.pairs for k in (0, 1)],
             })
-        _free_engines(policy, reference)
-        del policy, reference, trainer
+        run.close()
+        del run, trainer
     # The slowest rank sets each step's time; every rank's peak memory goes into the report.
     times = torch.tensor([s["step_time_s"] for s in steps], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    peaks = [None] * dist.get_world_size()
+    peaks = [None] * layout.world_size
     dist.all_gather_object(peaks, memory.peak_bytes)
     for step, seconds in zip(steps, times.tolist()):
         step["step_time_s"] = seconds
-    return summarize(name, CONFIGURATIONS[name], run.attn, packed, steps, peaks, memory.kind, meter)
+    return summarize(name, CONFIGURATIONS[name], setup, steps, peaks, memory.kind, meter)
 
 
-def summarize(name: str, overrides: dict, attn: str, packed: bool, steps: list[dict], peaks: list[int],
-              memory_kind: str, meter) -> dict:
+def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], peaks: list[int], memory_kind: str,
+              meter) -> dict:
     """One configuration's entry of ``report.json`` ``runs`` (see report.py for the schema)."""
     total_time = sum(s["step_time_s"] for s in steps)
     real = sum(s["real_tokens"] for s in steps)
@@ -258,8 +194,9 @@ def summarize(name: str, overrides: dict, attn: str, packed: bool, steps: list[d
     return {
         "name": name,
         "overrides": overrides,
-        "attn": attn,
-        "packing": packed,
+        "attn": setup.attn,
+        "packing": setup.cfg.packing,
+        "sequence_parallel_size": setup.layout.sp_size,
         "measured_steps": len(steps),
         "tokens_per_s": real / total_time,
         "pairs_per_s": pairs / total_time,
@@ -283,12 +220,6 @@ def summarize(name: str, overrides: dict, attn: str, packed: bool, steps: list[d
 
 
 def environment(device_type: str) -> dict:
-    import platform
-
-    import deepspeed
-    import torch
-    import transformers
-
     if device_type == "cuda":
         device_name = torch.cuda.get_device_name()
     else:
@@ -299,8 +230,6 @@ def environment(device_type: str) -> dict:
 
 
 def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
-    from .run.engines import model_config
-
     hf = model_config(cfg, vocab_size)
     return {"source": cfg.model or cfg.model_config or "tiny", "architecture": (hf.architectures or [hf.model_type])[0],
             "hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads,
@@ -308,54 +237,60 @@ def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
             "intermediate_size": getattr(hf, "intermediate_size", None), "vocab_size": hf.vocab_size}
 
 
-def check_enough_steps(run, warmup_steps: int) -> None:
-    from .data.plan import steps_per_epoch
-
-    lengths = (run.prepared.chosen_lengths, run.prepared.rejected_lengths)
-    available = sum(steps_per_epoch(*lengths, run.plan_cfg, epoch=e) for e in range(run.cfg.epochs))
-    if available < warmup_steps + run.cfg.max_steps:
-        raise InputError(f"--max-steps {run.cfg.max_steps} + --bench-warmup-steps {warmup_steps}: the data holds only "
-                         f"{available} steps of {run.plan_cfg.global_batch_pairs or '--tokens-per-step'} pairs "
+def check_enough_steps(setup: RunSetup, warmup_steps: int) -> None:
+    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
+    cfg = setup.cfg
+    available = sum(steps_per_epoch(*lengths, setup.plan_cfg, epoch=e) for e in range(cfg.epochs))
+    if available < warmup_steps + cfg.max_steps:
+        raise InputError(f"--max-steps {cfg.max_steps} + --bench-warmup-steps {warmup_steps}: the data holds only "
+                         f"{available} steps of {setup.plan_cfg.global_batch_pairs or '--tokens-per-step'} pairs "
                          f"(use fewer steps, more --epochs or a smaller batch)")
 
 
-def precomputed_reference(cfg: TrainConfig) -> str:
-    """Runs precompute-ref once (untimed) into the bench cache folder; every rank gets the file's path.
+def configuration_config(cfg: TrainConfig, name: str) -> TrainConfig:
+    """The run settings of one configuration (the precomputed reference's file stands in as its path)."""
+    overrides = dict(CONFIGURATIONS[name])
+    if overrides.get("ref_logps") == PRECOMPUTED:
+        overrides["ref_logps"] = str(precomputed_reference_path(cfg))
+    return dataclasses.replace(cfg, **overrides, overwrite=True)
 
-    The folder must be shared by the nodes of a multi-node bench, as for ``train --ref-logps``.
-    """
-    from .precompute_ref import precompute
 
-    path = bench_model_folder(cfg) / "reference_logps.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    precompute(dataclasses.replace(cfg, overwrite=True), str(path))
-    return str(path)
+def precomputed_reference_path(cfg: TrainConfig) -> Path:
+    """Where precompute-ref writes the bench's reference file (shared by the nodes of a multi-node bench, as for
+    ``train --ref-logps``)."""
+    return bench_model_folder(cfg) / "reference_logps.jsonl"
+
+
+def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: int | None = None) -> RunSetup:
+    """Phase one of the bench: every configuration's settings checked before any process group (a configuration the
+    layout cannot run is refused here, not after the others were measured); returns the first one's set-up."""
+    first = prepare(cfg, "bench", world_size)
+    check_enough_steps(first, settings.bench_warmup_steps)
+    for name in settings.configurations:
+        if CONFIGURATIONS[name].get("ref_logps") != PRECOMPUTED:  # its file does not exist yet
+            try:
+                prepare(configuration_config(cfg, name), "bench", world_size)
+            except InputError as error:
+                raise InputError(f"--configurations {name}: {error}") from None
+    return first
 
 
 def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dict | None:
     """The whole bench on this rank; rank 0 writes the report folder and returns the report."""
-    import torch.distributed as dist
-
-    from .report import build_report, write_report_folder
-    from .run.trainer import init_process_group, prepare_run
-
-    first = prepare_run(cfg)  # every input check before any process group or engine
-    check_enough_steps(first, settings.bench_warmup_steps)
-    cfg = bench_model_config(cfg, settings, len(first.tokenizer), bench_model_folder(cfg))
-    init_process_group(cfg)
+    first = check_configurations(cfg, settings)
+    cfg = bench_model_config(cfg, settings, first.vocab_size, bench_model_folder(cfg))
     runs = {}
     for name in settings.configurations:
-        overrides = dict(CONFIGURATIONS[name])
-        if overrides.get("ref_logps") == PRECOMPUTED:
-            overrides["ref_logps"] = precomputed_reference(cfg)
-        run_cfg = dataclasses.replace(cfg, **overrides, overwrite=True)
-        runs[name] = measure_configuration(name, run_cfg, settings.bench_warmup_steps)
-    if dist.get_rank() != 0:
+        if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:
+            precompute(dataclasses.replace(cfg, overwrite=True), str(precomputed_reference_path(cfg)))  # untimed
+        runs[name] = measure_configuration(name, prepare(configuration_config(cfg, name), "bench"),
+                                           settings.bench_warmup_steps)
+    if first.layout.rank != 0:
         return None
     report = build_report(
         command=shlex.join([sys.executable, "-m", "ds_packdpo.bench", *argv]),
-        world_size=first.world_size, dataset=cfg.dataset or "synthetic",
-        model=model_summary(cfg, len(first.tokenizer)), environment=environment(first.device_type),
+        layout=first.layout.as_dict(), dataset=cfg.dataset or "synthetic",
+        model=model_summary(cfg, first.vocab_size), environment=environment(first.device_type),
         settings={**to_dict(cfg), "bench_warmup_steps": settings.bench_warmup_steps,
                   "configurations": settings.configurations, "row_budget": cfg.row_budget},
         runs=runs)

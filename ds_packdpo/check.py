@@ -1,34 +1,26 @@
-"""``ds-packdpo check``: packed against one-sequence-at-a-time log-probs of a real model, in one process."""
+"""``ds-packdpo check``: packed against one-sequence-at-a-time log-probs of a real model, in one process.
+
+Phase one of the run assembly (settings, tokenizer, the tokenized pairs a run would
+see) and the assembly's model, without a process group or DeepSpeed.
+"""
 
 from __future__ import annotations
 
-import torch
-
-from .data.prepare import DataConfig, prepare_pairs
-from .data.tokenizer import load_tokenizer
+from .config import TrainConfig
 from .errors import InputError
-from .model.attention import resolve_attn
-from .model.build import TORCH_DTYPES, build_model
-from .model.guard import packing_exactness, synthetic_pairs
+from .model.guard import packing_exactness
+from .run.assemble import model_alone, prepare
 
 
-def run_check(model: str, tokenizer: str, attn: str = "auto", dataset: str | None = None, pairs: int = 4,
-              trust_remote_code: bool = False, dtype: str = "fp32") -> dict:
-    """Body of ``ds-packdpo check``: the exactness report for a local model; the caller exits non-zero unless ok."""
+def run_check(model: str, tokenizer: str | None = None, attn: str = "auto", dataset: str | None = None,
+              pairs: int = 4, trust_remote_code: bool = False, dtype: str = "fp32") -> dict:
+    """The exactness report for a local model; the caller exits non-zero unless ok."""
     if pairs < 1:
         raise InputError(f"--pairs must be >= 1, got {pairs}")
-    if dtype not in TORCH_DTYPES:
-        raise InputError(f"--dtype: unknown {dtype!r} (choices: {', '.join(TORCH_DTYPES)})")
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = resolve_attn(attn, device_type, needs_backward=False)
-    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
-    lm = build_model(model, None, len(tok), TORCH_DTYPES[dtype], resolved, trust_remote_code=trust_remote_code)
-    lm.to(device_type)
-    pad_token_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
-    if dataset is None:
-        check_pairs = synthetic_pairs(pairs, len(tok))
-    else:
-        prepared = prepare_pairs(DataConfig(dataset=dataset, max_pairs=pairs), tok)
-        check_pairs = prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).to_list()
-    result = packing_exactness(lm, check_pairs, resolved, pad_token_id)
+    cfg = TrainConfig(model=model, tokenizer=tokenizer, attn=attn, dataset=dataset, max_pairs=pairs, dtype=dtype,
+                      trust_remote_code=trust_remote_code)
+    cfg.validate()
+    setup = prepare(cfg, "check")
+    columns = setup.prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])
+    result = packing_exactness(model_alone(setup), columns.to_list(), setup.attn, setup.pad_token_id)
     return {"model": model, "requested_attn": attn, "dataset": dataset or "synthetic", **result}

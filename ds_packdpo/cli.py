@@ -18,7 +18,16 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from .config import add_arguments, config_from_args, parse_train_args
+from .data.plan import iter_plan, pack_stats, write_plan_jsonl
+from .data.prepare import prepare_pairs, run_prepare
+from .data.run_plan import checked_plan_config
+from .data.source import prepare_run_data, tokenizer_and_rows
 from .errors import InputError, run_guarded
+from .run.layout import ParallelLayout
+
+# The commands that run a model import DeepSpeed and the model stack (seconds, and DeepSpeed probes the
+# accelerator) inside their own function: prepare, pack-stats and report stay free of them.
 
 LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
@@ -40,8 +49,6 @@ def _launch(argv: list[str], procs: int, master_port: int | None, module: str) -
 
 
 def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    from .config import add_arguments
-
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     return parser
@@ -53,17 +60,12 @@ def cmd_prepare(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def job() -> int:
-        from .config import config_from_args
-        from .data.prepare import DataConfig, prepare_pairs, run_prepare
-        from .run.trainer import _tokenizer_and_rows
-
         cfg = config_from_args(args)
-        tokenizer, rows = _tokenizer_and_rows(cfg)
-        data_cfg = DataConfig.from_settings(cfg, dataset=cfg.dataset or "synthetic")
+        tokenizer, rows = tokenizer_and_rows(cfg)
         if args.out:
-            summary = run_prepare(data_cfg, tokenizer, args.out, rows=rows)
+            summary = run_prepare(cfg.data_config(), tokenizer, args.out, rows=rows)
         else:
-            prepared = prepare_pairs(data_cfg, tokenizer, rows=rows)
+            prepared = prepare_pairs(cfg.data_config(), tokenizer, rows=rows)
             summary = {**prepared.summary, "fingerprint": prepared.fingerprint}
         print(json.dumps(summary, indent=2))
         return 0
@@ -72,31 +74,27 @@ def cmd_prepare(argv: list[str]) -> int:
 
 
 def cmd_pack_stats(argv: list[str]) -> int:
-    parser = _data_parser("ds-packdpo pack-stats", "Plan only (no model): packing and balance figures as JSON.")
-    parser.add_argument("--world-size", type=int, default=1, help="Data-parallel ranks to plan for.")
-    parser.add_argument("--plan-out", default=None, help="Write one JSON line per (step, rank, row).")
+    parser = _data_parser("ds-packdpo pack-stats", "Plan only (no model): packing and balance figures as JSON, "
+                          "exactly as training would plan them.")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="Ranks to plan for (data-parallel ranks x --sequence-parallel-size).")
+    parser.add_argument("--plan-out", default=None, help="Write one JSON line per (step, data-parallel rank, row).")
     args = parser.parse_args(argv)
 
     def job() -> int:
-        from .config import config_from_args
-        from .data.plan import PlanConfig, iter_plan, pack_stats, write_plan_jsonl
-        from .run.trainer import _tokenizer_and_rows, prepare_data
-
         cfg = config_from_args(args)
         if args.world_size < 1:
             raise InputError(f"--world-size must be >= 1, got {args.world_size}")
-        tokenizer, rows = _tokenizer_and_rows(cfg)
-        prepared = prepare_data(cfg, tokenizer, rows)
-        plan_cfg = PlanConfig(max_tokens_per_row=cfg.row_budget, world_size=args.world_size, seed=cfg.seed,
-                              global_batch_pairs=cfg.batch_pairs, tokens_per_step=cfg.tokens_per_step,
-                              drop_last=cfg.drop_last, attention_weight=cfg.attention_weight,
-                              micro_batch_pairs=cfg.micro_batch_pairs)
+        layout = ParallelLayout(world_size=args.world_size, sp_size=cfg.sequence_parallel_size)
+        tokenizer, rows = tokenizer_and_rows(cfg)
+        prepared = prepare_run_data(cfg, tokenizer, rows)
+        plan_cfg = checked_plan_config(cfg, layout, prepared)
         lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
         stats = pack_stats(*lengths, plan_cfg, epochs=cfg.epochs)
         if args.plan_out:
             write_plan_jsonl(iter_plan(*lengths, plan_cfg, cfg.epochs), args.plan_out,
                              pair_ids=prepared.dataset["pair_id"])
-        print(json.dumps({"dataset": cfg.dataset or "synthetic", **stats,
+        print(json.dumps({"dataset": cfg.dataset or "synthetic", "layout": layout.as_dict(), **stats,
                           "data": {k: prepared.summary[k] for k in ("rows", "kept", "dropped")}}, indent=2))
         return 0
 
@@ -165,12 +163,11 @@ def _cpu_unless_cuda() -> None:
 
 
 def _check_train(argv: list[str], procs: int) -> None:
-    """Train's phase one (settings, DeepSpeed config, output folder, data rows, resume point); its tokenization
-    fills the cache the ranks then read."""
-    from .config import parse_train_args
-    from .run.trainer import prepare_run
+    """Train's phase one (settings, DeepSpeed config, output folder, data, plan, resume point, reference file); its
+    tokenization fills the cache the ranks then read."""
+    from .run.assemble import prepare
 
-    prepare_run(parse_train_args(argv), world_size=procs)
+    prepare(parse_train_args(argv), "train", world_size=procs)
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -181,12 +178,10 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_precompute_ref(argv: list[str]) -> int:
     from .precompute_ref import main as rank_main
-    from .precompute_ref import parse_args
-    from .run.reference import check_output_path
+    from .precompute_ref import parse_args, precompute_setup
 
     def validate(rest: list[str], procs: int):
-        cfg, out = parse_args(rest)
-        return check_output_path(out, cfg.overwrite)
+        precompute_setup(*parse_args(rest), world_size=procs)
 
     return _distributed_command(argv, "ds_packdpo.precompute_ref", rank_main, validate)
 
@@ -212,10 +207,13 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
+    from .bench import check_configurations, parse_bench_args
     from .bench import main as rank_main
-    from .bench import parse_bench_args
 
-    return _distributed_command(argv, "ds_packdpo.bench", rank_main, lambda rest, procs: parse_bench_args(rest))
+    def validate(rest: list[str], procs: int):
+        check_configurations(*parse_bench_args(rest), world_size=procs)
+
+    return _distributed_command(argv, "ds_packdpo.bench", rank_main, validate)
 
 
 def cmd_report(argv: list[str]) -> int:

@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .data.plan import PlanConfig
+from .data.prepare import DataConfig
 from .errors import InputError
 
 REPO_DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
@@ -125,12 +127,43 @@ class TrainConfig:
             return 64
         return self.global_batch_pairs
 
+    def data_config(self) -> DataConfig:
+        """The data stage's settings (the embedded synthetic dataset is labelled 'synthetic')."""
+        return DataConfig.from_settings(self, dataset=self.dataset or "synthetic")
+
+    def plan_config(self, layout) -> PlanConfig:
+        """The plan of this run laid out as ``layout`` (a run.layout.ParallelLayout).
+
+        The plan deals every step over the data-parallel shares; under sequence
+        parallelism a row is shared by the ``sp_size`` ranks of a group, so it holds
+        ``sp_size`` x the per-rank budget.
+        """
+        return PlanConfig(max_tokens_per_row=self.row_budget * layout.sp_size, world_size=layout.dp_size,
+                          seed=self.seed, global_batch_pairs=self.batch_pairs, tokens_per_step=self.tokens_per_step,
+                          drop_last=self.drop_last, attention_weight=self.attention_weight, packing=self.packing,
+                          micro_batch_pairs=self.micro_batch_pairs)
+
+    def loss_config(self):
+        """The loss settings (model.losses.LossConfig), validated."""
+        # Deferred import: the losses bring the model stack (its kernels, transformers' attention), which
+        # prepare and pack-stats never need.
+        from .model.losses import LossConfig
+
+        loss = LossConfig(loss_type=self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
+                          simpo_gamma=self.simpo_gamma, rpo_alpha=self.rpo_alpha)
+        loss.validate()
+        return loss
+
     @property
     def resolved_metrics_out(self) -> str:
         return self.metrics_out or os.path.join(self.output_dir, "metrics.jsonl")
 
     def validate(self) -> None:
         """Checks that need nothing but the settings themselves."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise InputError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "logps_chunk_tokens",
                     "sequence_parallel_size"]
         for key in positive:

@@ -6,7 +6,7 @@ and the row plan are exactly those of the run that will use the file.  Every pai
 of one epoch is run once, packed into the same rows and dealt to the ranks as in
 training (same number of rows per rank: the ZeRO-3 reference engine gathers its
 weights collectively), under ``torch.no_grad``; the per-pair results are gathered
-to rank 0, which writes ``FILE`` and ``FILE.meta.json`` (see :mod:`ds_packdpo.reference`).
+to rank 0, which writes ``FILE`` and ``FILE.meta.json`` (see :mod:`ds_packdpo.run.reference`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,15 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
-from .errors import run_guarded
+import torch.distributed as dist
+
 from .config import add_arguments, config_from_args
+from .data.plan import iter_plan
+from .errors import run_guarded
+from .run.assemble import RunSetup, prepare, start
+from .run.reference import RECORD_KEYS, check_output_path, reference_fingerprint, write_reference
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute-ref"):
@@ -30,58 +36,40 @@ def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute
     return config_from_args(args), args.out
 
 
-def _packed_row(columns, pair_indices, pad_token_id: int):
-    from .model.collate import collate_packed
-
-    cols = columns[list(pair_indices)] if pair_indices else {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
-    pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
-             for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
-    return collate_packed(pairs, list(pair_indices), pad_token_id)
+def precompute_setup(cfg, out: str | None, world_size: int | None = None) -> tuple[Path, RunSetup]:
+    """Phase one: ``--out`` checked, then the run's (its output folder is --out's, which may hold other files)."""
+    path = check_output_path(out, cfg.overwrite)
+    return path, prepare(dataclasses.replace(cfg, output_dir=str(path.parent), overwrite=True), "precompute-ref",
+                         world_size)
 
 
 def precompute(cfg, out: str | None) -> dict | None:
-    """The whole job on this rank; rank 0 writes the file and returns a summary (other ranks: None)."""
-    import torch
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
+    """The whole job on this rank; rank 0 writes the file and returns a summary (other ranks: None).
 
-    from .run.engines import build_reference
-    from .model.guard import assert_packing_exact
-    from .data.plan import iter_plan
-    from .run.reference import (RECORD_KEYS, check_output_path, reference_fingerprint, reference_logps,
-                            write_reference)
-    from .run.trainer import init_process_group, prepare_run
-
-    path = check_output_path(out, cfg.overwrite)
-    # The run's output folder is the one of --out, which may hold other files.
-    run = prepare_run(dataclasses.replace(cfg, output_dir=str(path.parent), overwrite=True))
-    fingerprint = reference_fingerprint(run)
-    init_process_group(cfg)
-    reference = build_reference(cfg, run.ds_config, len(run.tokenizer), run.attn)
-    device = get_accelerator().current_device_name()
-    pad_token_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
-    if not cfg.skip_packing_check:
-        assert_packing_exact(reference, run.attn, len(run.tokenizer), pad_token_id, device=device)
-
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    columns = run.prepared.dataset
-    pair_ids = columns["pair_id"]
-    plan_cfg = dataclasses.replace(run.plan_cfg, drop_last=False)  # every pair, once
+    Each data-parallel share of the plan runs its rows; under sequence parallelism the
+    ranks of a group run them together and only the first of the group keeps the sums
+    (they are the same on every rank of the group).
+    """
+    path, setup = precompute_setup(cfg, out)
+    run = start(setup)
+    layout = setup.layout
+    pair_ids = setup.prepared.dataset["pair_id"]
+    plan_cfg = dataclasses.replace(setup.plan_cfg, drop_last=False)  # every pair, once
     local = {key: [] for key in RECORD_KEYS}
-    lengths = (run.prepared.chosen_lengths, run.prepared.rejected_lengths)
-    with torch.no_grad():
-        for plan in iter_plan(*lengths, plan_cfg, epochs=1):
-            for row in plan.ranks[rank]:
-                batch = _packed_row(columns, row.pairs, pad_token_id).to(device)
-                seqs = reference_logps(reference, batch, run.attn, cfg.logps_chunk_tokens, cfg.logps_impl)
-                local["pair_id"] += [pair_ids[i] for i in row.pairs]
-                for key, values in (("chosen_logps", seqs.chosen_logps), ("rejected_logps", seqs.rejected_logps),
-                                    ("chosen_tokens", seqs.chosen_tokens), ("rejected_tokens", seqs.rejected_tokens)):
-                    local[key] += values.tolist()
-    gathered = [None] * world_size if rank == 0 else None
+    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
+    for plan in iter_plan(*lengths, plan_cfg, epochs=1):
+        for row in plan.ranks[layout.dp_rank]:
+            seqs = run.reference_logps(run.row_batch(row))
+            if not layout.counts_metrics:
+                continue
+            local["pair_id"] += [pair_ids[i] for i in row.pairs]
+            for key, values in (("chosen_logps", seqs.chosen_logps), ("rejected_logps", seqs.rejected_logps),
+                                ("chosen_tokens", seqs.chosen_tokens), ("rejected_tokens", seqs.rejected_tokens)):
+                local[key] += values.tolist()
+    gathered = [None] * layout.world_size if layout.rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     summary = None
-    if rank == 0:
+    if layout.rank == 0:
         merged = {key: [v for part in gathered for v in part[key]] for key in RECORD_KEYS}
         order = sorted(range(len(merged["pair_id"])), key=merged["pair_id"].__getitem__)
         merged = {key: [values[i] for i in order] for key, values in merged.items()}
@@ -89,10 +77,11 @@ def precompute(cfg, out: str | None) -> dict | None:
         merged["rejected_tokens"] = [int(v) for v in merged["rejected_tokens"]]
         if len(merged["pair_id"]) != len(pair_ids):
             raise RuntimeError(f"precompute-ref: {len(merged['pair_id'])} pairs computed for {len(pair_ids)}")
-        info = {"dataset": cfg.dataset or "synthetic", "pairs": len(pair_ids), "attn": run.attn,
-                "world_size": world_size, "max_tokens_per_row": cfg.row_budget, "logps_impl": cfg.logps_impl}
-        write_reference(path, merged, fingerprint, info)
+        info = {"dataset": cfg.dataset or "synthetic", "pairs": len(pair_ids), "attn": setup.attn,
+                **layout.as_dict(), "max_tokens_per_row": cfg.row_budget, "logps_impl": cfg.logps_impl}
+        write_reference(path, merged, reference_fingerprint(setup), info)
         summary = {"output": str(path), "meta": f"{path}.meta.json", **info}
+    run.close()
     dist.barrier()  # no rank leaves (and no launcher reports success) before the file is written
     return summary
 

@@ -22,9 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 from .errors import InputError
 
-SCHEMA_VERSION = 1
+matplotlib.use("Agg")  # files only, no display
+
+SCHEMA_VERSION = 2  # 2: the parallel layout, per-step loss and grad norm, the trajectory check
 NUMBER = (int, float)
 OPTIONAL_NUMBER = (int, float, type(None))
 
@@ -33,7 +38,9 @@ REPORT_SCHEMA = {
     "schema_version": (int, "version of this schema"),
     "created_utc": (str, "ISO time the report was written"),
     "command": (str, "the command line of rank 0"),
-    "world_size": (int, "data-parallel ranks"),
+    "world_size": (int, "every rank of the job"),
+    "dp_size": (int, "data-parallel ranks (world_size / sp_size)"),
+    "sp_size": (int, "ranks that share one row (--sequence-parallel-size)"),
     "dataset": (str, "dataset path or name ('synthetic' for the embedded one)"),
     "model": (dict, "source, architecture, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vocab_size"),
     "environment": (dict, "python, torch, deepspeed, transformers, device_type, device_name, hostname, torch_threads"),
@@ -43,12 +50,21 @@ REPORT_SCHEMA = {
     "ideal_speedup": (OPTIONAL_NUMBER, "runs.padded.computed_tokens / runs.padded.real_tokens: the speedup if time "
                                        "were proportional to computed tokens"),
     "speedup_over_ideal": (OPTIONAL_NUMBER, "speedup / ideal_speedup"),
+    "loss_max_rel_diff": (OPTIONAL_NUMBER, "largest |loss - first configuration's loss| / |first's| over the measured "
+                                           "steps: every configuration trains the same pairs, so this is rounding "
+                                           "(null with one configuration)"),
+    "same_trajectory": ((bool, type(None)), "loss_max_rel_diff is within SAME_TRAJECTORY_RTOL of --dtype (null with "
+                                             "one configuration)"),
 }
+# Packed, padded, dense-mask or precomputed-reference runs of the same steps differ only by rounding: measured
+# here <= 1e-6 relative in fp32; bf16 rounds each log-prob to ~3 significant digits.
+SAME_TRAJECTORY_RTOL = {"fp32": 1e-4, "bf16": 5e-2}
 RUN_SCHEMA = {
     "name": (str, "configuration name"),
     "overrides": (dict, "train settings this configuration overrides"),
     "attn": (str, "attention backend used"),
     "packing": (bool, "packed rows (true) or padded micro-batches (false)"),
+    "sequence_parallel_size": (int, "ranks that shared each row"),
     "measured_steps": (int, "optimizer steps measured (after the warm-up steps)"),
     "tokens_per_s": (NUMBER, "real (non-padding) tokens per second, all ranks"),
     "pairs_per_s": (NUMBER, "preference pairs per second, all ranks"),
@@ -67,8 +83,9 @@ RUN_SCHEMA = {
     "model_flops": (NUMBER, "analytic model FLOPs of the measured steps (flops.py)"),
     "model_tflops_per_s": (NUMBER, "model_flops / measured time / 1e12, all ranks"),
     "mfu": (OPTIONAL_NUMBER, "model_tflops_per_s / (peak_tflops x world_size); null without --peak-tflops"),
-    "steps": (list, "per measured step: step, step_time_s, pairs, real_tokens, computed_tokens, rows_per_rank, "
-                    "rank_tokens, rank_computed_tokens, attention_sq, flops, row_fill, sequence_lengths"),
+    "steps": (list, "per measured step: step, step_time_s, loss, grad_norm, pairs, real_tokens, computed_tokens, "
+                    "rows_per_rank, rank_tokens and rank_computed_tokens (per data-parallel share), attention_sq, "
+                    "flops, row_fill, sequence_lengths"),
 }
 PLOTS = ("tokens_per_s.png", "rank_load.png", "lengths.png")
 
@@ -77,17 +94,31 @@ def _ratio(numerator, denominator):
     return numerator / denominator if numerator is not None and denominator else None
 
 
-def build_report(command: str, world_size: int, dataset: str, model: dict, environment: dict, settings: dict,
+def loss_max_rel_diff(runs: dict) -> float | None:
+    """How far the configurations' per-step losses are from the first configuration's (None with one)."""
+    measured = list(runs.values())
+    if len(measured) < 2:
+        return None
+    first = {step["step"]: step["loss"] for step in measured[0]["steps"]}
+    return max(abs(step["loss"] - first[step["step"]]) / max(abs(first[step["step"]]), 1e-12)
+               for run in measured[1:] for step in run["steps"])
+
+
+def build_report(command: str, layout: dict, dataset: str, model: dict, environment: dict, settings: dict,
                  runs: dict) -> dict:
+    """``layout``: the run's ParallelLayout.as_dict() (world_size, dp_size, sp_size)."""
     packed, padded = runs.get("packed"), runs.get("padded")
     speedup = _ratio(packed["tokens_per_s"], padded["tokens_per_s"]) if packed and padded else None
     ideal = _ratio(padded["computed_tokens"], padded["real_tokens"]) if padded else None
+    diff = loss_max_rel_diff(runs)
+    same = None if diff is None else diff <= SAME_TRAJECTORY_RTOL[settings["dtype"]]
     return {
         "schema_version": SCHEMA_VERSION,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": command, "world_size": world_size, "dataset": dataset, "model": model,
+        "command": command, **layout, "dataset": dataset, "model": model,
         "environment": environment, "settings": settings, "runs": runs,
         "speedup": speedup, "ideal_speedup": ideal, "speedup_over_ideal": _ratio(speedup, ideal),
+        "loss_max_rel_diff": diff, "same_trajectory": same,
     }
 
 
@@ -188,7 +219,8 @@ def render_markdown(report: dict) -> str:
     runs = list(report["runs"].values())
     text = [
         f"# ds_packdpo throughput: {report['dataset']}\n",
-        f"{report['world_size']} ranks on {env['device_type']} ({env['device_name']}, host {env['hostname']}, "
+        f"{report['world_size']} ranks ({report['dp_size']} data-parallel x {report['sp_size']} sequence-parallel) on "
+        f"{env['device_type']} ({env['device_name']}, host {env['hostname']}, "
         f"{env['torch_threads']} torch threads per rank); torch {env['torch']}, deepspeed {env['deepspeed']}, "
         f"transformers {env['transformers']}.\n",
         f"Model: {model['architecture']} from `{model['source']}`: hidden {model['hidden_size']}, {model['num_layers']} "
@@ -200,22 +232,26 @@ def render_markdown(report: dict) -> str:
         f"**speedup (packed / padded tokens/s): {_fmt(report['speedup'])}**, ideal speedup (padded computed / real "
         f"tokens): {_fmt(report['ideal_speedup'])}, speedup / ideal: {_fmt(report['speedup_over_ideal'])}.\n",
         _table([c for c, _ in RUN_COLUMNS], [[get(r) for _, get in RUN_COLUMNS] for r in runs]),
+        _trajectory_line(report),
         f"\nCommand: `{report['command']}`\n",
         "\n" + "".join(f"![{p}]({p})\n" for p in PLOTS),
     ]
     return "\n".join(text)
 
 
+def _trajectory_line(report: dict) -> str:
+    """Whether the configurations of this report trained the same thing (they must: same pairs per step)."""
+    diff = report["loss_max_rel_diff"]
+    if diff is None:
+        return "One configuration: no trajectory to compare.\n"
+    tolerance = SAME_TRAJECTORY_RTOL[report["settings"]["dtype"]]
+    verdict = ("the same trajectory up to rounding" if report["same_trajectory"]
+               else "**different trajectories: the configurations did not train the same thing**")
+    return (f"Per-step loss of every configuration against the first: largest relative difference "
+            f"{diff:.2g} (rounding bound for {report['settings']['dtype']}: {tolerance:g}): {verdict}.\n")
+
+
 # ----------------------------------------------------------------------------- plots
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
 
 def _bar_labels(ax, bars, values):
     for bar, value in zip(bars, values):
@@ -224,7 +260,6 @@ def _bar_labels(ax, bars, values):
 
 
 def plot_report(report: dict, folder: Path) -> None:
-    plt = _pyplot()
     runs = report["runs"]
     names = list(runs)
     title = f"{Path(report['dataset']).name}, {report['world_size']} ranks, {report['environment']['device_type']}"
@@ -298,6 +333,7 @@ def merge_reports(folders: list[str]) -> dict:
         for name, run in report["runs"].items():
             entries.append({
                 "source": str(folder), "configuration": name, "world_size": report["world_size"],
+                "sp_size": report["sp_size"],
                 "device_type": env["device_type"], "device_name": env["device_name"], "hostname": env["hostname"],
                 "dataset": report["dataset"], "model": report["model"]["source"],
                 **{k: run[k] for k in ("tokens_per_s", "pairs_per_s", "utilization", "peak_mem_mb",
@@ -309,7 +345,7 @@ def merge_reports(folders: list[str]) -> dict:
             "sources": [str(f) for f in folders], "entries": entries}
 
 
-MERGE_COLUMNS = ("source", "configuration", "world_size", "device_name", "tokens_per_s", "pairs_per_s",
+MERGE_COLUMNS = ("source", "configuration", "world_size", "sp_size", "device_name", "tokens_per_s", "pairs_per_s",
                  "step_time_median_s", "utilization", "peak_mem_mb", "mfu", "speedup", "ideal_speedup")
 
 
@@ -319,7 +355,6 @@ def write_merged(merged: dict, out: Path, overwrite: bool = False) -> None:
         rows = [[e[c] for c in MERGE_COLUMNS] for e in merged["entries"]]
         (folder / "report.md").write_text("# ds_packdpo throughput comparison\n\n" + _table(list(MERGE_COLUMNS), rows)
                                           + "\n![tokens per second](tokens_per_s.png)\n")
-        plt = _pyplot()
         entries = merged["entries"]
         fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(entries)), 4.0))
         labels = [f"{Path(e['source']).name}\n{e['configuration']} ({e['world_size']}r)" for e in entries]

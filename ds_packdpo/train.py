@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from .errors import run_guarded
 from .config import parse_train_args
+from .errors import run_guarded
+from .run.trainer import train
 
 
 def main(argv: list[str] | None = None) -> int:
     def job() -> int:
-        from .run.trainer import train
-
         train(parse_train_args(argv, prog="ds_packdpo.train"))
         return 0
 

@@ -85,20 +85,16 @@ def test_nan_steps_are_skipped_then_the_run_aborts(tmp_path):
 
 def step_logps(model, tmp_path: Path, step: int, tokenizer) -> tuple[float, float]:
     """Mean chosen/rejected log-probs of ``model`` over the pairs of optimizer ``step`` (one packed row)."""
-    from ds_packdpo.model.collate import collate_packed
     from ds_packdpo.config import parse_train_args
-    from ds_packdpo.model.logps import forward_logps
     from ds_packdpo.data.plan import iter_plan
-    from ds_packdpo.run.trainer import prepare_run
+    from ds_packdpo.model.collate import collate_row
+    from ds_packdpo.model.logps import forward_logps
+    from ds_packdpo.run.assemble import prepare
 
-    run_ = prepare_run(parse_train_args(flags(tmp_path, "plan_only")))
-    plan = next(iter(iter_plan(run_.prepared.chosen_lengths, run_.prepared.rejected_lengths, run_.plan_cfg, 1,
+    setup = prepare(parse_train_args(flags(tmp_path, "plan_only")))
+    plan = next(iter(iter_plan(setup.prepared.chosen_lengths, setup.prepared.rejected_lengths, setup.plan_cfg, 1,
                                start_step=step - 1)))
-    indices = list(plan.pairs)
-    cols = run_.prepared.dataset[indices]
-    pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
-             for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
-    batch = collate_packed(pairs, indices, tokenizer.pad_token_id)
+    batch = collate_row(setup.prepared.dataset, plan.pairs, tokenizer.pad_token_id)
     with torch.no_grad():
         out = forward_logps(model, batch, "sdpa")
     return float(out.chosen_logps.mean()), float(out.rejected_logps.mean())
@@ -176,7 +172,8 @@ def fake_checkpoint(tag_dir: Path, world_size: int, ranks_written: int, **state)
     """A tag folder with the files of ``ranks_written`` of ``world_size`` ranks (placeholder content)."""
     (tag_dir / "hf").mkdir(parents=True)
     (tag_dir / "hf" / "config.json").write_text("{}")
-    full_state = {"version": 1, "world_size": world_size, "zero_stage": 3, **state}
+    full_state = {"version": 2, "layout": {"world_size": world_size, "dp_size": world_size, "sp_size": 1},
+                  "zero_stage": 3, **state}
     (tag_dir / STATE_FILE).write_text(json.dumps(full_state))
     for rank in range(ranks_written):
         for name in (f"rng_rank{rank}.pt", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",

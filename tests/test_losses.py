@@ -104,7 +104,7 @@ def test_each_loss_matches_trl_style_padded_reference(cfg):
 
     policy = sequence_logps(logits, labels, seq_index, 2 * pairs, chunk_tokens=7)
     losses, metrics = pair_losses(policy, None if cfg.loss_type == "simpo" else reference, cfg)
-    loss = global_normalized_loss(losses, global_pairs=pairs, dp_world_size=1)
+    loss = global_normalized_loss(losses, global_pairs=pairs, gradient_divisor=1)
     (grad,) = torch.autograd.grad(loss, logits)
 
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
@@ -217,6 +217,6 @@ def test_global_normalization_makes_rank_average_the_full_batch_gradient(rank_pa
 
 def test_global_normalized_loss_value_and_bad_count():
     losses = torch.tensor([1.0, 2.0, 3.0])
-    assert float(global_normalized_loss(losses, global_pairs=12, dp_world_size=4)) == pytest.approx(6.0 / 12 * 4)
+    assert float(global_normalized_loss(losses, global_pairs=12, gradient_divisor=4)) == pytest.approx(6.0 / 12 * 4)
     with pytest.raises(ValueError):
-        global_normalized_loss(losses, global_pairs=0, dp_world_size=1)
+        global_normalized_loss(losses, global_pairs=0, gradient_divisor=1)

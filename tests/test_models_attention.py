@@ -223,8 +223,8 @@ def test_run_check_reports_json_and_ok(model_and_tokenizer_folders):
 
 def test_run_check_not_ok_for_a_cross_attending_model(model_and_tokenizer_folders, monkeypatch):
     model_dir, tok_dir = model_and_tokenizer_folders
-    real_build = check_command.build_model
-    monkeypatch.setattr(check_command, "build_model", lambda *a, **k: CrossAttending(real_build(*a, **k), "cache"))
+    real_model = check_command.model_alone
+    monkeypatch.setattr(check_command, "model_alone", lambda setup: CrossAttending(real_model(setup), "cache"))
     assert not run_check(model_dir, tok_dir, attn="sdpa", pairs=2)["ok"]
 
 

@@ -40,7 +40,7 @@ def both_layouts(pairs):
 def dpo_gradients(model, batch, attn, reference, cfg):
     model.zero_grad(set_to_none=True)
     losses, _ = pair_losses(forward_logps(model, batch, attn, chunk_tokens=16), reference, cfg)
-    global_normalized_loss(losses, global_pairs=batch.num_pairs, dp_world_size=1).backward()
+    global_normalized_loss(losses, global_pairs=batch.num_pairs, gradient_divisor=1).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -90,7 +90,7 @@ def test_dummy_row_contributes_zero_loss_and_zero_gradient():
     dummy = collate_packed([], [], pad_token_id=0)
     policy = forward_logps(model, dummy, "sdpa")
     losses, metrics = pair_losses(policy, policy, LossConfig())
-    loss = global_normalized_loss(losses, global_pairs=8, dp_world_size=2)
+    loss = global_normalized_loss(losses, global_pairs=8, gradient_divisor=2)
     loss.backward()
     assert policy.logps.shape == (0,) and float(loss.detach()) == 0.0 and metrics["rewards/chosen"].shape == (0,)
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())

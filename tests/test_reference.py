@@ -36,14 +36,15 @@ def padded_reference_logps(flags: list[str]) -> dict[int, tuple[float, float, in
     """Independent of packing, chunking and lean log-probs: the model loaded without DeepSpeed, padded rows,
     a full log_softmax and a masked sum per row."""
     from ds_packdpo.model.collate import collate_padded
+    from ds_packdpo.data.tokenizer import pad_token_id
     from ds_packdpo.model.build import build_model
-    from ds_packdpo.run.trainer import _tokenizer_and_rows, prepare_data
+    from ds_packdpo.data.source import prepare_run_data, tokenizer_and_rows
 
     cfg = parse_train_args(flags)
-    tokenizer, rows = _tokenizer_and_rows(cfg)
-    prepared = prepare_data(cfg, tokenizer, rows)
+    tokenizer, rows = tokenizer_and_rows(cfg)
+    prepared = prepare_run_data(cfg, tokenizer, rows)
     model = build_model(cfg.model, None, len(tokenizer), torch.float32, "sdpa").eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_token_id(tokenizer)
     columns = prepared.dataset
     result = {}
     for start in range(0, len(columns), 8):
@@ -80,12 +81,12 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
     records = [json.loads(line) for line in out.read_text().splitlines()]
     meta = json.loads(Path(f"{out}.meta.json").read_text())
     assert meta["info"]["world_size"] == 2 and meta["fingerprint"]["dtype"] == "fp32"
-    from ds_packdpo.data.prepare import DataConfig, run_prepare
-    from ds_packdpo.run.trainer import _tokenizer_and_rows
+    from ds_packdpo.data.prepare import run_prepare
+    from ds_packdpo.data.source import tokenizer_and_rows
 
     cfg = parse_train_args([*cache, *SMALL_RUN])
-    tokenizer, rows = _tokenizer_and_rows(cfg)
-    run_prepare(DataConfig.from_settings(cfg, dataset="synthetic"), tokenizer, tmp_path / "pairs.jsonl", rows=rows)
+    tokenizer, rows = tokenizer_and_rows(cfg)
+    run_prepare(cfg.data_config(), tokenizer, tmp_path / "pairs.jsonl", rows=rows)
     prepared_ids = [json.loads(line)["pair_id"] for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert [r["pair_id"] for r in records] == sorted(prepared_ids) and len(records) == 48
     expected = padded_reference_logps([*cache, *SMALL_RUN])

@@ -18,7 +18,8 @@ from ds_packdpo.model.collate import IGNORE_INDEX, collate_packed
 from ds_packdpo.errors import InputError
 from ds_packdpo.model.build import tiny_config
 from ds_packdpo.model.guard import synthetic_pairs
-from ds_packdpo.run.sequence_parallel import (check_model_heads, data_parallel_size, kv_replication, segment_sdpa,
+from ds_packdpo.run.layout import ParallelLayout
+from ds_packdpo.run.sequence_parallel import (check_model_heads, kv_replication, segment_sdpa,
                                           slice_row)
 
 PAD = 3
@@ -65,9 +66,19 @@ def test_segment_sdpa_equals_block_diagonal_attention():
 
 
 def test_layout_checks():
-    assert data_parallel_size(4, 2) == 2
+    """One layout object says every size and rank; consecutive ranks share a row."""
+    layouts = [ParallelLayout(world_size=4, sp_size=2, rank=r, zero_stage=3) for r in range(4)]
+    assert [(x.dp_size, x.dp_rank, x.sp_rank, x.counts_metrics) for x in layouts] == [
+        (2, 0, 0, True), (2, 0, 1, False), (2, 1, 0, True), (2, 1, 1, False)]
+    assert layouts[0].as_dict() == {"world_size": 4, "dp_size": 2, "sp_size": 2}
+    assert layouts[0].describe() == "4 ranks (2 data-parallel x 2 sequence-parallel)"
+    # ZeRO-3's reduce-scatter divides by the whole world, stages 0-2 by the data-parallel size
+    assert layouts[0].gradient_divisor == 4 and ParallelLayout(4, 2, 0, zero_stage=2).gradient_divisor == 2
+    assert ParallelLayout(3, 1, 2, zero_stage=2).gradient_divisor == 3
     with pytest.raises(InputError, match="--sequence-parallel-size 3 does not divide the world size 4"):
-        data_parallel_size(4, 3)
+        ParallelLayout(4, 3)
+    with pytest.raises(InputError, match="rank 2 is outside a world of 2"):
+        ParallelLayout(2, 1, rank=2)
     assert [kv_replication(kv, 4) for kv in (1, 2, 4, 8)] == [4, 2, 1, 1]
     check_model_heads(tiny_config(heads=4, kv_heads=1), 4, "--model-config tiny")
     with pytest.raises(InputError) as error:
@@ -102,7 +113,7 @@ def _rank_main(rank: int, port: int, results):
     from ds_packdpo.run.sequence_parallel import init_sequence_parallel
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    sp, _ = init_sequence_parallel(2, "sdpa", PAD)
+    sp, _ = init_sequence_parallel(ParallelLayout(2, 2, rank), "sdpa", PAD)
     # pairs long enough that sequences straddle the slice boundary; odd total length exercises the padding
     row = collate_packed(synthetic_pairs(3, vocab_size=128, seed=8, max_tokens=20), [0, 1, 2], PAD)
     out = {}

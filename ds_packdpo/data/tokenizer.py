@@ -72,3 +72,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     except (OSError, ValueError, KeyError, TypeError) as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise InputError(f"tokenizer {path}: cannot load it ({reason})") from None
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id that fills padding and dummy rows: the tokenizer's pad token, else its EOS, else 0.
+
+    The one rule for every command.  The value never reaches a loss (padding carries
+    label -100 and a padded batch masks it), but every rank must use the same one.
+    """
+    return next(token for token in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if token is not None)

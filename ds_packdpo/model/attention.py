@@ -26,14 +26,14 @@ its presence is probed (through transformers, which does not import it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from ..errors import InputError
-
-if TYPE_CHECKING:
-    from .collate import ModelBatch
+from .collate import ModelBatch
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
 SDPA_VARLEN = "sdpa_varlen"
@@ -46,8 +46,6 @@ ATTN_CHOICES = ("auto", SDPA_VARLEN, "sdpa", "eager", "flex_attention", *FLASH_B
 
 def flash_attention_available(name: str) -> bool:
     """True when the flash-attn package for ``name`` is installed and CUDA works (nothing is imported)."""
-    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
-
     probe = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}[name]
     return bool(probe())
 
@@ -159,8 +157,6 @@ def _sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: flo
     sequence boundaries come from the ``cu_seq_lens_q`` kwarg (``model_forward_kwargs``
     passes it) or, failing that, from where ``position_ids`` restart.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if attention_mask is not None or dropout or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -181,16 +177,11 @@ def _sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: flo
 
 def _sdpa_varlen_mask(*args, attention_mask=None, **kwargs):
     """No mask for packed rows (the boundaries travel as cu_seqlens); sdpa's mask for padded batches."""
-    from transformers.masking_utils import sdpa_mask
-
     return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 def register_sdpa_varlen() -> None:
     """Makes ``attn_implementation="sdpa_varlen"`` known to transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(SDPA_VARLEN, _sdpa_varlen_forward)
     AttentionMaskInterface.register(SDPA_VARLEN, _sdpa_varlen_mask)
 

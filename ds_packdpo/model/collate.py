@@ -174,3 +174,15 @@ def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
         real_tokens=flat.ids.numel(),
         computed_tokens=rows * width,
     )
+
+
+def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, packed: bool = True) -> ModelBatch:
+    """The model inputs of one planned row: its pairs (positional indices) looked up in the tokenized columns
+    (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), packed or padded."""
+    indices = list(pair_indices)
+    pairs = []
+    if indices:
+        cols = columns[indices]
+        pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
+                 for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
+    return (collate_packed if packed else collate_padded)(pairs, indices, pad_token_id)

@@ -136,13 +136,14 @@ def metric_means(global_sums: dict[str, torch.Tensor | float]) -> dict[str, floa
     return means
 
 
-def global_normalized_loss(per_pair_losses: torch.Tensor, global_pairs: int, dp_world_size: int) -> torch.Tensor:
-    """``sum / global_pairs * dp_world_size``.
+def global_normalized_loss(per_pair_losses: torch.Tensor, global_pairs: int, gradient_divisor: int) -> torch.Tensor:
+    """``sum / global_pairs * gradient_divisor``.
 
-    DeepSpeed averages gradients over data-parallel ranks; scaling by the world size
-    makes that average equal the gradient of the mean loss over all pairs of the step,
-    however the pairs are split over ranks and rows.
+    DeepSpeed divides the rank-summed gradients by ``gradient_divisor`` (the run's
+    ``ParallelLayout.gradient_divisor``); scaling by it makes that average equal the
+    gradient of the mean loss over all pairs of the step, however the pairs are split
+    over ranks and rows.
     """
     if global_pairs < 1:
         raise ValueError(f"global_pairs must be >= 1, got {global_pairs}")
-    return per_pair_losses.sum() * (dp_world_size / global_pairs)
+    return per_pair_losses.sum() * (gradient_divisor / global_pairs)

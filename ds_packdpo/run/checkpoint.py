@@ -4,7 +4,7 @@ Layout of ``--save-dir`` (default ``OUTPUT_DIR/checkpoints``)::
 
     global_step{N}/                 one checkpoint ("tag")
         *_model_states.pt, *_optim_states.pt   DeepSpeed's files; under ZeRO-3 every rank writes its shard
-        ds_packdpo_state.json       plan position, fingerprint, bad-step counter, world size (rank 0)
+        ds_packdpo_state.json       plan position, fingerprint, bad-step counter, parallel layout (rank 0)
         rng_rank{r}.pt              RNG states of rank r: plain tensors/ints, loads with weights_only=True
         hf/                         model config + tokenizer (save_pretrained): export needs nothing else
     latest                          tag of the newest *complete* checkpoint
@@ -33,16 +33,22 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
 from ..config import TrainConfig
 from ..errors import InputError
 from ..files import atomic_write
+from .layout import ParallelLayout, describe_sizes
 
 STATE_FILE = "ds_packdpo_state.json"
 HF_FOLDER = "hf"
 LATEST = "latest"
 TAG_PREFIX = "global_step"
 CLIENT_STATE_KEY = "ds_packdpo"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the parallel layout (world, data-parallel and sequence-parallel sizes)
 
 
 def tag_name(global_step: int) -> str:
@@ -92,7 +98,7 @@ def read_state(tag_dir: Path, where: str) -> dict:
 def complete_tag_dir(tag_dir: Path, where: str) -> tuple[Path, dict]:
     """(tag folder, its state) after checking that every rank's files are there."""
     state = read_state(tag_dir, where)
-    missing = missing_files(tag_dir, state["world_size"], state["zero_stage"])
+    missing = missing_files(tag_dir, state["layout"]["world_size"], state["zero_stage"])
     if missing:
         raise InputError(f"{where} {tag_dir}: incomplete checkpoint (missing {', '.join(missing)})")
     return tag_dir, state
@@ -142,8 +148,8 @@ class ResumePoint:
     bad_steps: int      # consecutive skipped steps so far
 
 
-def check_resume(cfg: TrainConfig, data_fingerprint: str, world_size: int, zero_stage: int) -> ResumePoint | None:
-    """Phase one: the checkpoint to resume, checked against this run (data, plan, world size); None = fresh start."""
+def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout) -> ResumePoint | None:
+    """Phase one: the checkpoint to resume, checked against this run (data, plan, layout); None = fresh start."""
     found = checkpoint_to_resume(cfg)
     save_dir = resolved_save_dir(cfg)
     if found is None:
@@ -158,12 +164,12 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, world_size: int, zero_
         raise InputError(f"{where}: the checkpoint was written for other data or plan settings (dataset, tokenizer, "
                          "--max-length, --seed, --global-batch-pairs/--tokens-per-step, --drop-last differ); resume "
                          "with the run's own settings")
-    if state["world_size"] != world_size:
-        raise InputError(f"{where}: written by {state['world_size']} ranks, this run has {world_size}; DeepSpeed "
-                         "ZeRO shards load only into the same number of ranks")
-    if state["zero_stage"] != zero_stage or state["dtype"] != cfg.dtype:
+    if state["layout"] != layout.as_dict():
+        raise InputError(f"{where}: written by {describe_sizes(state['layout'])}, this run is "
+                         f"{layout.describe()}; DeepSpeed ZeRO shards load only into the same layout")
+    if state["zero_stage"] != layout.zero_stage or state["dtype"] != cfg.dtype:
         raise InputError(f"{where}: written with ZeRO stage {state['zero_stage']} and --dtype {state['dtype']}, this "
-                         f"run uses stage {zero_stage} and --dtype {cfg.dtype}")
+                         f"run uses stage {layout.zero_stage} and --dtype {cfg.dtype}")
     position = state["position"]
     return ResumePoint(tag_dir, position["epoch"], position["epoch_step"], position["global_step"],
                        state["bad_steps"])
@@ -172,10 +178,6 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, world_size: int, zero_
 # ----------------------------------------------------------------------------- RNG
 def rng_state() -> dict:
     """Every RNG a step may draw from, as plain ints, lists and tensors (safe for weights_only=True)."""
-    import numpy as np
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, py_gauss = random.getstate()
     state = {"python": [version, list(internal), py_gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)),
@@ -188,10 +190,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
     version, internal, py_gauss = state["python"]
     random.setstate((version, tuple(internal), py_gauss))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -230,14 +228,12 @@ def prune(save_dir: Path, keep: int, latest_tag: str) -> list[str]:
 class Checkpointer:
     """Saves and restores the policy engine plus what the trainer needs to continue exactly."""
 
-    def __init__(self, cfg: TrainConfig, run, rank: int, world_size: int, zero_stage: int):
+    def __init__(self, cfg: TrainConfig, run):
         self.cfg = cfg
         self.run = run
-        self.rank = rank
-        self.world_size = world_size
-        self.zero_stage = zero_stage
+        self.layout = run.setup.layout
         self.save_dir = resolved_save_dir(cfg)
-        self.fingerprint = plan_fingerprint(cfg, run.prepared.fingerprint)
+        self.fingerprint = plan_fingerprint(cfg, run.setup.prepared.fingerprint)
         self.saved_step: int | None = None  # global step of the newest checkpoint of this run (same on every rank)
 
     def due(self, global_step: int, last: bool) -> bool:
@@ -246,12 +242,10 @@ class Checkpointer:
 
     def save(self, engine, global_step: int, next_epoch: int, next_epoch_step: int, bad_steps: int) -> Path:
         """All ranks: write the tag, then rank 0 verifies it and moves ``latest`` (plus retention)."""
-        import torch
-        import torch.distributed as dist
-
+        rank = self.layout.rank
         tag = tag_name(global_step)
         tag_dir = self.save_dir / tag
-        if self.rank == 0:
+        if rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
             latest = self.save_dir / LATEST
             if latest.is_file() and latest.read_text().strip() == tag:
@@ -265,21 +259,21 @@ class Checkpointer:
             "position": {"epoch": next_epoch, "epoch_step": next_epoch_step, "global_step": global_step},
             "bad_steps": bad_steps,
             "plan_fingerprint": self.fingerprint,
-            "data_fingerprint": self.run.prepared.fingerprint,
-            "world_size": self.world_size,
-            "zero_stage": self.zero_stage,
+            "data_fingerprint": self.run.setup.prepared.fingerprint,
+            "layout": self.layout.as_dict(),
+            "zero_stage": self.layout.zero_stage,
             "dtype": self.cfg.dtype,
             "output_dir": str(Path(self.cfg.output_dir).resolve()),
         }
-        torch.save(rng_state(), tag_dir / f"rng_rank{self.rank}.pt")
-        if self.rank == 0:
+        torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
+        if rank == 0:
             engine.module.config.save_pretrained(tag_dir / HF_FOLDER)
-            self.run.tokenizer.save_pretrained(tag_dir / HF_FOLDER)
+            self.run.setup.tokenizer.save_pretrained(tag_dir / HF_FOLDER)
             (tag_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         engine.save_checkpoint(str(self.save_dir), tag=tag, client_state={CLIENT_STATE_KEY: state},
                                save_latest=False)  # ends with a barrier: every rank's files are written
-        if self.rank == 0:
-            missing = missing_files(tag_dir, self.world_size, self.zero_stage)
+        if rank == 0:
+            missing = missing_files(tag_dir, self.layout.world_size, self.layout.zero_stage)
             if missing:
                 raise RuntimeError(f"checkpoint {tag_dir} is incomplete after saving (missing {', '.join(missing)}); "
                                    f"'{LATEST}' still names the previous one")
@@ -291,34 +285,14 @@ class Checkpointer:
 
     def restore(self, engine, point: ResumePoint) -> None:
         """Loads the DeepSpeed state (weights, optimizer, LR schedule, step counters) and this rank's RNG."""
-        import torch
-
         load_path, client_state = engine.load_checkpoint(str(point.tag_dir.parent), tag=point.tag_dir.name,
                                                          load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None or CLIENT_STATE_KEY not in (client_state or {}):
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {point.tag_dir}")
         if client_state[CLIENT_STATE_KEY]["position"]["global_step"] != point.global_step:
             raise RuntimeError(f"checkpoint {point.tag_dir}: DeepSpeed's client_state disagrees with {STATE_FILE}")
-        set_rng_state(torch.load(point.tag_dir / f"rng_rank{self.rank}.pt", weights_only=True))
+        set_rng_state(torch.load(point.tag_dir / f"rng_rank{self.layout.rank}.pt", weights_only=True))
         self.saved_step = point.global_step
-
-    def export_on_end(self, engine, global_step: int, position: tuple[int, int], bad_steps: int, resumed: bool):
-        """--export-on-end: OUTPUT_DIR/hf_model from the final checkpoint's fp32 master weights, cast to --dtype.
-
-        Going through a checkpoint (saved here unless the last step was saved anyway)
-        reuses the offline export and is exact in any dtype; gathering the engine's
-        16-bit weights would give the module's copy, which in bf16 training is not
-        the fp32 master.
-        """
-        from .export import export_checkpoint
-
-        if self.saved_step != global_step:
-            self.save(engine, global_step, *position, bad_steps)
-        if self.rank == 0:
-            # a resumed run may replace the export of its own earlier attempt
-            export_checkpoint(self.save_dir / tag_name(global_step), Path(self.cfg.output_dir) / "hf_model",
-                              self.cfg.dtype, overwrite=self.cfg.overwrite or resumed)
-        # no barrier after it: the export may outlast --collective-timeout-s, and the other ranks have nothing left
 
 
 def trim_metrics(path: Path, global_step: int) -> int:

@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from transformers import AutoConfig
+from transformers.integrations import HfDeepSpeedConfig
 
 from ..config import REPO_DS_CONFIGS, TrainConfig
 from ..errors import InputError
+from ..model.build import TORCH_DTYPES, build_model, load_model_config
 
 # Keys ds_packdpo owns: each must be "auto" (or the one value the run implies).
 _PINNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # DeepSpeed's monitor sections: the trainer reports through the policy engine's monitor only.
 _MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
-
-
-def launch_world_size() -> int:
-    """World size as the launcher announced it (deepspeed/torchrun, mpirun, Slurm), before any process group."""
-    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        if os.environ.get(key):
-            return int(os.environ[key])
-    return 1
 
 
 def load_ds_config(name_or_path: str) -> tuple[dict, str]:
@@ -147,66 +145,50 @@ def reference_ds_config(policy_ds: dict, offload: bool) -> dict:
     return ref
 
 
-def _build(cfg: TrainConfig, ds_config: dict, model_path: str | None, vocab_size: int, attn: str):
-    """Builds or loads the model with ZeRO-3 partitioning at construction where the config asks for it."""
-    import torch
-    from transformers.integrations import HfDeepSpeedConfig
+def load_model(cfg: TrainConfig, model_path: str | None, vocab_size: int, attn: str, ds_config: dict | None = None):
+    """The policy or reference module: ``model_path`` (a folder), else random weights from ``--model-config``.
 
-    from ..model.build import build_model
-
-    # While this object lives, transformers wraps from_pretrained/from_config in deepspeed.zero.Init,
-    # so no rank ever holds the full weights.
-    keep_alive = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
-    torch.manual_seed(cfg.seed)  # policy and reference built from a config get identical weights
-    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    model = build_model(model_path, cfg.model_config if model_path is None else None, vocab_size, dtype, attn,
-                        seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
-    return model, keep_alive
-
-
-def build_engines(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
-    """Returns (policy engine, reference model or engine); no reference for SimPO or with --ref-logps.
-
-    ``mpu`` (sequence parallelism) tells DeepSpeed the sequence-parallel groups: ZeRO then shards over
-    all ranks and averages gradients over the data-parallel replicas only.
+    Under a ZeRO-3 ``ds_config`` the weights are partitioned at construction: while the
+    ``HfDeepSpeedConfig`` lives, transformers wraps from_pretrained/from_config in
+    ``deepspeed.zero.Init``, so no rank ever holds the full model.
     """
-    import deepspeed
-
-    policy_model, keep_alive = _build(cfg, ds_config, cfg.model, vocab_size, attn)
-    params = [p for p in policy_model.parameters() if p.requires_grad]
-    policy, _, _, _ = deepspeed.initialize(model=policy_model, model_parameters=params, config=ds_config, mpu=mpu)
+    keep_alive = HfDeepSpeedConfig(ds_config) if ds_config is not None and zero_stage(ds_config) == 3 else None
+    torch.manual_seed(cfg.seed)  # policy and reference built from a config get identical weights
+    model = build_model(model_path, cfg.model_config if model_path is None else None, vocab_size,
+                        TORCH_DTYPES[cfg.dtype], attn, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
     del keep_alive
-    if cfg.loss == "simpo" or cfg.ref_logps is not None:
-        return policy, None
-    return policy, build_reference(cfg, ds_config, vocab_size, attn, mpu)
+    return model
+
+
+def build_policy(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
+    """The trainable policy engine.
+
+    ``mpu`` (sequence parallelism) tells DeepSpeed the sequence-parallel groups: ZeRO then
+    shards over all ranks and averages gradients over the data-parallel replicas only.
+    """
+    model = load_model(cfg, cfg.model, vocab_size, attn, ds_config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    policy, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
+    return policy
 
 
 def build_reference(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
     """The frozen reference (``--ref-model`` or the policy's own weights): a ZeRO-3 engine, or a plain module."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
     ref_ds = reference_ds_config(ds_config, cfg.ref_offload)
-    ref_model, keep_alive = _build(cfg, ref_ds, cfg.ref_model or cfg.model, vocab_size, attn)
-    ref_model.eval()
-    ref_model.requires_grad_(False)
+    model = load_model(cfg, cfg.ref_model or cfg.model, vocab_size, attn, ref_ds)
+    model.eval()
+    model.requires_grad_(False)
     if zero_stage(ref_ds) == 3:
-        reference, _, _, _ = deepspeed.initialize(model=ref_model, config=ref_ds, mpu=mpu)
+        reference, _, _, _ = deepspeed.initialize(model=model, config=ref_ds, mpu=mpu)
         reference.eval()
-    else:
-        # ZeRO 0-2 shard only optimizer state and gradients; a frozen model has neither, so it stays whole.
-        reference = ref_model.to(get_accelerator().current_device_name())
-    del keep_alive
-    return reference
+        return reference
+    # ZeRO 0-2 shard only optimizer state and gradients; a frozen model has neither, so it stays whole.
+    return model.to(get_accelerator().current_device_name())
 
 
 def model_config(cfg: TrainConfig, vocab_size: int):
     """The policy's HF config alone (cheap: no weights)."""
-    from ..model.build import load_model_config
-
     if cfg.model is not None:
-        from transformers import AutoConfig
-
         return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     return load_model_config(cfg.model_config or "tiny", vocab_size)
 

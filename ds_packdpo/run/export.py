@@ -14,10 +14,14 @@ import os
 import shutil
 from pathlib import Path
 
-from .checkpoint import HF_FOLDER, resolve_checkpoint
-from ..errors import InputError
+import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-DTYPES = ("fp32", "bf16")
+from ..config import DTYPES
+from ..errors import InputError
+from ..model.build import TORCH_DTYPES
+from .checkpoint import HF_FOLDER, resolve_checkpoint
 
 
 def check_export_target(out: Path, overwrite: bool) -> None:
@@ -30,10 +34,6 @@ def check_export_target(out: Path, overwrite: bool) -> None:
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False,
                       trust_remote_code: bool = False) -> dict:
     """Writes the model of ``checkpoint`` (a tag folder or a save folder with ``latest``) to ``out``."""
-    import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     out = Path(out)
     check_export_target(out, overwrite)
     tag_dir, state = resolve_checkpoint(checkpoint, "--checkpoint")
@@ -47,7 +47,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=trust_remote_code, local_files_only=True)
     # DeepSpeed reads its shards with torch.load(weights_only=False): export only checkpoints you trust.
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    torch_dtype = TORCH_DTYPES[dtype]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model.load_state_dict(state_dict, strict=True, assign=True)

@@ -22,11 +22,16 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
+from ..data.prepare import tokenizer_fingerprint
 from ..errors import InputError
 from ..files import atomic_write
-from ..model.logps import SequenceLogps, forward_logps
+from ..model.build import load_model_config
+from ..model.logps import SequenceLogps
+from .engines import zero_stage
 
 FORMAT_VERSION = 1
 RECORD_KEYS = ("pair_id", "chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")
@@ -53,8 +58,6 @@ def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
     Hashing the weight files reads them once (about 1 GB/s): the price of never
     training against log-probs of another checkpoint saved at the same path.
     """
-    from ..model.build import load_model_config
-
     folder = cfg.ref_model or cfg.model
     if folder is None:
         config = load_model_config(cfg.model_config or "tiny", vocab_size).to_dict()
@@ -70,18 +73,15 @@ def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
     return {"folder_sha256": digest.hexdigest()}
 
 
-def reference_fingerprint(run) -> dict:
-    """Everything that changes a pair's reference log-probs (of a PreparedRun); the row layout and world size do
-    not (invariant 2)."""
-    from ..data.prepare import tokenizer_fingerprint
-    from .engines import zero_stage
-
-    cfg = run.cfg
+def reference_fingerprint(setup) -> dict:
+    """Everything that changes a pair's reference log-probs (of an assemble.RunSetup); the row layout and the
+    parallel layout do not (invariant 2)."""
+    cfg = setup.cfg
     return {
         "format_version": FORMAT_VERSION,
-        "model": model_fingerprint(cfg, len(run.tokenizer), zero_stage(run.ds_config) == 3),
-        "tokenizer": tokenizer_fingerprint(run.tokenizer),
-        "dataset": run.prepared.fingerprint,  # content, tokenizer, format, max_length, max_prompt_length
+        "model": model_fingerprint(cfg, len(setup.tokenizer), zero_stage(setup.ds_config) == 3),
+        "tokenizer": tokenizer_fingerprint(setup.tokenizer),
+        "dataset": setup.prepared.fingerprint,  # content, tokenizer, format, max_length, max_prompt_length
         "dtype": cfg.dtype,
         "max_length": cfg.max_length,
         "max_prompt_length": cfg.max_prompt_length,
@@ -114,9 +114,6 @@ def write_reference(path, columns: dict[str, list], fingerprint: dict, info: dic
     path.parent.mkdir(parents=True, exist_ok=True)
     meta_path(path).unlink(missing_ok=True)
     if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         atomic_write(path, lambda tmp: pq.write_table(pa.table(columns), tmp))
     else:
         def write_lines(tmp):
@@ -133,8 +130,6 @@ def write_reference(path, columns: dict[str, list], fingerprint: dict, info: dic
 def _read_records(path: Path) -> dict[str, list]:
     label = f"--ref-logps {path}"
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             table = pq.read_table(path).to_pydict()
         except Exception as error:  # pyarrow raises several types for a damaged file
@@ -203,19 +198,9 @@ class PrecomputedReference:
                              logits_sum=torch.zeros(2 * rows.shape[0], device=device))
 
 
-def load_precomputed_reference(run) -> PrecomputedReference | None:
+def load_precomputed_reference(setup) -> PrecomputedReference | None:
     """The ``--ref-logps`` file checked against this run (None without it); phase one, before any process group."""
-    if run.cfg.ref_logps is None:
+    if setup.cfg.ref_logps is None:
         return None
-    return PrecomputedReference.load(run.cfg.ref_logps, reference_fingerprint(run), run.prepared.dataset["pair_id"])
-
-
-def reference_logps(reference, batch, attn: str, chunk_tokens: int, impl: str,
-                    forward=forward_logps) -> SequenceLogps | None:
-    """The reference log-probs of ``batch``: looked up, run without gradients (by ``forward``), or None (SimPO)."""
-    if reference is None:
-        return None
-    if isinstance(reference, PrecomputedReference):
-        return reference.sequence_logps(batch)
-    with torch.no_grad():
-        return forward(reference, batch, attn, chunk_tokens, impl)
+    return PrecomputedReference.load(setup.cfg.ref_logps, reference_fingerprint(setup),
+                                     setup.prepared.dataset["pair_id"])

@@ -6,8 +6,8 @@ A pair longer than one rank's memory still trains when S ranks share its row:
   data-parallel replicas.  DeepSpeed's own Ulysses parallel state
   (``deepspeed.runtime.sequence_parallel.parallel_state_sp``, the ``mpu`` ALST
   uses) builds them and is handed to ``deepspeed.initialize``, so ZeRO shards over
-  all ranks and sums gradients over all ranks (:func:`gradient_average_size` gives
-  the count it then divides by, which the loss is scaled by).
+  all ranks and sums gradients over all ranks (``ParallelLayout.gradient_divisor``
+  gives the count it then divides by, which the loss is scaled by).
 * **Slicing** (:func:`slice_row`).  The collated row is padded to a multiple of S
   with tokens that form their own ignored segment, and rank r keeps tokens
   ``[r*T/S, (r+1)*T/S)``.  ``labels`` were computed on the whole row (label t is
@@ -30,28 +30,23 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
 import torch
+import torch.distributed as dist
+from deepspeed.sequence.layer import DistributedAttention
+from transformers import AttentionInterface, modeling_flash_attention_utils
 
+from ..errors import InputError
 from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, varlen_attention
 from ..model.collate import IGNORE_INDEX, ModelBatch
-from ..errors import InputError
 from ..model.logps import SequenceLogps, forward_logps
+from .layout import ParallelLayout
 
 # (q, k, v, cu_seqlens, max_seqlen, *, scale) -> out; q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0, out [T, Hq, D].
 LocalVarlenAttention = Callable[..., torch.Tensor]
 
 
 # ----------------------------------------------------------------------------- settings (no process group)
-
-
-def data_parallel_size(world_size: int, sp_size: int) -> int:
-    """Ranks per SP group divide the world; the quotient is the number of data-parallel replicas."""
-    if sp_size < 1:
-        raise InputError(f"--sequence-parallel-size must be >= 1, got {sp_size}")
-    if world_size % sp_size != 0:
-        raise InputError(f"--sequence-parallel-size {sp_size} does not divide the world size {world_size} "
-                         f"(launch a multiple of {sp_size} ranks)")
-    return world_size // sp_size
 
 
 def kv_replication(num_kv_heads: int, sp_size: int) -> int:
@@ -62,18 +57,6 @@ def kv_replication(num_kv_heads: int, sp_size: int) -> int:
     belong to, since repeating heads in place keeps the GQA grouping.
     """
     return sp_size // math.gcd(num_kv_heads, sp_size)
-
-
-def gradient_average_size(zero_stage: int, world_size: int, sp_size: int) -> int:
-    """The count DeepSpeed divides the rank-summed gradients by, under sequence parallelism.
-
-    Stages 0-2 divide by the data-parallel size W/S.  ZeRO-3's reduce-scatter
-    (``reduce_scatter_coalesced``, its default path) divides by the whole world W,
-    ignoring the sequence-parallel size (deepspeed 0.19.8; read in stage3.py, and
-    seen here as a grad norm S times too small).  The loss is multiplied by this
-    count so the reduced gradient is the step's mean over pairs either way.
-    """
-    return world_size if zero_stage == 3 else world_size // sp_size
 
 
 def check_model_heads(hf_config, sp_size: int, where: str) -> None:
@@ -88,20 +71,6 @@ def check_model_heads(hf_config, sp_size: int, where: str) -> None:
     if heads % (kv_heads * kv_replication(kv_heads, sp_size)) != 0:
         raise InputError(f"--sequence-parallel-size {sp_size}: {where} has {kv_heads} key/value heads for {heads} "
                          f"query heads; they cannot be split evenly over {sp_size} ranks")
-
-
-def check_pairs_fit(chosen_lengths, rejected_lengths, per_rank_budget: int, sp_size: int, pair_ids) -> None:
-    """A pair must fit one row of S x the per-rank budget; the message says which of the two to raise."""
-    import numpy as np
-
-    pair_tokens = np.asarray(chosen_lengths, dtype=np.int64) + np.asarray(rejected_lengths, dtype=np.int64)
-    longest = int(np.argmax(pair_tokens))
-    need = int(pair_tokens[longest])
-    if need > per_rank_budget * sp_size:
-        raise InputError(f"pair {pair_ids[longest]} needs {need} tokens but a row holds --sequence-parallel-size "
-                         f"{sp_size} x --max-tokens-per-row {per_rank_budget} = {sp_size * per_rank_budget}; raise "
-                         f"--max-tokens-per-row to >= {-(-need // sp_size)} or --sequence-parallel-size to >= "
-                         f"{-(-need // per_rank_budget)}")
 
 
 def check_attention(attn: str, sp_size: int) -> None:
@@ -166,9 +135,7 @@ def segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
 
 def flash_varlen(attn: str) -> LocalVarlenAttention:
     """The varlen kernel of flash-attn 2 or 3 (CUDA), resolved by transformers, imported only here."""
-    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
-
-    varlen_fn = lazy_import_flash_attention(attn)[0][1]
+    varlen_fn = modeling_flash_attention_utils.lazy_import_flash_attention(attn)[0][1]
 
     def attend(q, k, v, cu_seqlens, max_seqlen, *, scale=None):
         cu = cu_seqlens.to(dtype=torch.int32)
@@ -232,9 +199,6 @@ def _local_on_row(local: LocalVarlenAttention):
 def register_ulysses_attention(group, sp_size: int, local: LocalVarlenAttention) -> str:
     """Registers the Ulysses attention with transformers for this process; returns its ``attn_implementation`` name."""
     global _ULYSSES
-    from deepspeed.sequence.layer import DistributedAttention
-    from transformers import AttentionInterface
-
     _ULYSSES = _Ulysses(DistributedAttention(_local_on_row(local), group, scatter_idx=2, gather_idx=0), sp_size)
     AttentionInterface.register(ULYSSES_ATTN, _ulysses_attention)
     return ULYSSES_ATTN
@@ -255,8 +219,6 @@ class _SumOverGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values, group):
-        import torch.distributed as dist
-
         values = values.clone()
         dist.all_reduce(values, group=group)
         return values
@@ -289,11 +251,21 @@ class SequenceParallel:
         return all_reduce_sequence_logps(forward_logps(model, local, attn, chunk_tokens, impl), self.group)
 
 
-def init_sequence_parallel(sp_size: int, attn: str, pad_token_id: int):
-    """After the process group: builds the groups, registers Ulysses; returns (SequenceParallel, mpu)."""
-    import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+def init_sequence_parallel(layout: ParallelLayout, attn: str, pad_token_id: int) -> tuple[SequenceParallel, object]:
+    """After the process group: builds the groups (once per process) and registers Ulysses around ``attn``.
 
-    mpu.initialize_sequence_parallel(sequence_parallel_size=sp_size)
+    Returns (SequenceParallel, mpu).  DeepSpeed's parallel state is global and built
+    once; a later call (the next bench configuration) reuses its groups and only
+    registers the local attention of its own backend.
+    """
+    if mpu._SEQUENCE_PARALLEL_GROUP is None:  # the module has no public "is initialized" query
+        mpu.initialize_sequence_parallel(sequence_parallel_size=layout.sp_size)
+    if mpu.get_sequence_parallel_world_size() != layout.sp_size:
+        raise RuntimeError(f"sequence-parallel groups of {mpu.get_sequence_parallel_world_size()} ranks exist already; "
+                           f"this run needs {layout.sp_size}")
+    if mpu.get_sequence_parallel_rank() != layout.sp_rank:
+        raise RuntimeError(f"DeepSpeed puts this rank at {mpu.get_sequence_parallel_rank()} of its sequence-parallel "
+                           f"group; the layout says {layout.sp_rank}")
     group = mpu.get_sequence_parallel_group()
-    register_ulysses_attention(group, sp_size, local_attention_for(attn))
-    return SequenceParallel(sp_size, mpu.get_sequence_parallel_rank(), group, pad_token_id), mpu
+    register_ulysses_attention(group, layout.sp_size, local_attention_for(attn))
+    return SequenceParallel(layout.sp_size, layout.sp_rank, group, pad_token_id), mpu

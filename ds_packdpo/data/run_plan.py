@@ -1,0 +1,38 @@
+"""The plan of one run: its PlanConfig for a parallel layout, checked against the tokenized pairs.
+
+``train`` (every rank and the front command), ``bench``, ``precompute-ref`` and
+``pack-stats`` all plan through :func:`checked_plan_config`, so pack-stats shows exactly
+what training would run.  No torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InputError
+from .plan import PlanConfig, validate_lengths
+from .prepare import PreparedPairs
+
+
+def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int, sp_size: int, pair_ids) -> None:
+    """Under sequence parallelism a pair must fit one row of S x the per-rank budget; the message says which of the
+    two to raise."""
+    pair_tokens = np.asarray(chosen_lengths, dtype=np.int64) + np.asarray(rejected_lengths, dtype=np.int64)
+    longest = int(np.argmax(pair_tokens))
+    need = int(pair_tokens[longest])
+    if need > per_rank_budget * sp_size:
+        raise InputError(f"pair {pair_ids[longest]} needs {need} tokens but a row holds --sequence-parallel-size "
+                         f"{sp_size} x --max-tokens-per-row {per_rank_budget} = {sp_size * per_rank_budget}; raise "
+                         f"--max-tokens-per-row to >= {-(-need // sp_size)} or --sequence-parallel-size to >= "
+                         f"{-(-need // per_rank_budget)}")
+
+
+def checked_plan_config(cfg, layout, prepared: PreparedPairs) -> PlanConfig:
+    """``cfg.plan_config(layout)`` once every pair is known to fit its row budget (InputError naming the pair)."""
+    plan_cfg = cfg.plan_config(layout)
+    pair_ids = prepared.dataset["pair_id"]
+    if layout.sp_size > 1:
+        check_pairs_fit_group(prepared.chosen_lengths, prepared.rejected_lengths, cfg.row_budget, layout.sp_size,
+                              pair_ids)
+    validate_lengths(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, pair_ids=pair_ids)
+    return plan_cfg

@@ -1,0 +1,40 @@
+"""What a run reads: its rows (a dataset, or the embedded synthetic set), its tokenizer, and the tokenized pairs.
+
+Shared by every command that looks at data (train, bench, precompute-ref, check,
+prepare, pack-stats), so they all see the same pairs for the same settings.  No torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from filelock import FileLock
+
+from ..errors import InputError
+from .prepare import DEFAULT_CACHE_DIR, PreparedPairs, prepare_pairs
+from .synthetic import default_tokenizer, synthetic_preference_rows
+from .tokenizer import load_tokenizer
+
+
+def tokenizer_and_rows(cfg) -> tuple[object, list[dict] | None]:
+    """The tokenizer (--tokenizer, else --model's, else a local BPE for the synthetic set) and the in-memory rows
+    of the synthetic set (None when --dataset names the data)."""
+    rows = synthetic_preference_rows(cfg.synthetic_pairs, seed=0) if cfg.dataset is None else None
+    if cfg.tokenizer is not None or cfg.model is not None:
+        return load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code), rows
+    if rows is not None:
+        return default_tokenizer(rows), rows
+    raise InputError("--tokenizer is required with --dataset when no --model folder provides one")
+
+
+def prepare_run_data(cfg, tokenizer, rows: list[dict] | None) -> PreparedPairs:
+    """The run's tokenized pairs, tokenized once per node: the first process to take the lock fills the cache,
+    the others then read it."""
+    data_cfg = cfg.data_config()
+    cache_dir = Path(data_cfg.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache_dir / "prepare.lock")):
+        prepared = prepare_pairs(data_cfg, tokenizer, rows=rows)
+    if len(prepared.chosen_lengths) == 0:
+        raise InputError(f"--dataset {data_cfg.dataset}: no pairs left after validation and truncation")
+    return prepared

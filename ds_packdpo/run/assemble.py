@@ -1,0 +1,220 @@
+"""One assembly for every run: train, each bench configuration, precompute-ref and check build their run here.
+
+Phase one (:func:`prepare`) needs no process group: settings, the parallel layout, the
+DeepSpeed config, the model config, the tokenized data, the plan, the resume point and
+a precomputed reference file are all checked, so bad input ends in one line on every
+rank (and in the front ``ds-packdpo train`` process, before any launch) before anything
+heavy starts.  Phase two (:func:`start`) starts the process group, the sequence-parallel
+groups and their attention, the engines (or only the reference, or a precomputed
+reference) and runs the packing guard.  Nothing else builds engines, models or the
+sequence-parallel set-up, so every command runs every layout it accepts the same way.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from ..config import TrainConfig
+from ..data.prepare import PreparedPairs
+from ..data.run_plan import checked_plan_config
+from ..data.source import prepare_run_data, tokenizer_and_rows
+from ..data.tokenizer import pad_token_id
+from ..errors import InputError
+from ..model.attention import ULYSSES_ATTN, resolve_attn
+from ..model.collate import ModelBatch, collate_row
+from ..model.guard import assert_packing_exact
+from ..model.logps import SequenceLogps, forward_logps
+from .checkpoint import ResumePoint, check_resume, resumes_in_place
+from .engines import (build_policy, build_reference, fill_ds_config, load_ds_config, load_model, model_config,
+                      model_hidden_size, zero_stage)
+from .layout import ParallelLayout
+from .process_group import init_process_group
+from .reference import PrecomputedReference, load_precomputed_reference
+from .sequence_parallel import SequenceParallel, check_attention, check_model_heads, init_sequence_parallel
+
+# What each command builds in phase two: a trained policy (with its reference), or only a frozen reference,
+# or (check) one model in this process with no process group.
+TRAINING_COMMANDS = ("train", "bench")
+COMMANDS = (*TRAINING_COMMANDS, "precompute-ref", "check")
+
+
+@dataclass
+class RunSetup:
+    """What phase one hands to phase two: validated settings, layout, data and plan."""
+
+    cfg: TrainConfig
+    command: str
+    layout: ParallelLayout
+    device_type: str
+    attn: str  # the resolved backend (the local attention under sequence parallelism)
+    ds_config: dict
+    tokenizer: object
+    prepared: PreparedPairs
+    plan_cfg: object  # data.plan.PlanConfig
+    loss_cfg: object  # model.losses.LossConfig
+    resume: ResumePoint | None = None  # None: a fresh start
+    precomputed: PrecomputedReference | None = None  # the --ref-logps file
+
+    @property
+    def model_attn(self) -> str:
+        """The model's attn_implementation: Ulysses (around ``attn``) under sequence parallelism."""
+        return ULYSSES_ATTN if self.layout.sp_size > 1 else self.attn
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def pad_token_id(self) -> int:
+        return pad_token_id(self.tokenizer)
+
+
+def check_output_dir(cfg: TrainConfig) -> None:
+    """A training run writes into an empty folder, its own folder when it resumes, or any with --overwrite."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--output-dir {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not cfg.overwrite and not resumes_in_place(cfg):
+        if cfg.resume:
+            raise InputError(f"--output-dir {out}: folder is not empty and holds no checkpoint of this run to "
+                             "resume; pass --overwrite to write into it")
+        raise InputError(f"--output-dir {out}: folder is not empty (pass --overwrite to write into it, or "
+                         "--resume auto to continue the run saved there)")
+
+
+def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int) -> None:
+    """What a sequence-parallel layout needs of the settings and the model, before any weights exist."""
+    if layout.sp_size == 1:
+        return
+    check_attention(attn, layout.sp_size)
+    if not cfg.packing:
+        raise InputError(f"--sequence-parallel-size {layout.sp_size} splits packed rows; it cannot be combined with "
+                         f"--no-packing")
+    where = f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
+    check_model_heads(model_config(cfg, vocab_size), layout.sp_size, where)
+
+
+def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None) -> RunSetup:
+    """Phase one: every check that needs no process group.
+
+    ``world_size`` is the launch's when called before launching (the front command);
+    under a launcher the layout comes from its environment.  ``check`` runs in one
+    process.
+    """
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}")
+    device_type = get_accelerator().device_name()
+    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS)
+    loss_cfg = cfg.loss_config()
+    raw_ds, ds_source = load_ds_config(cfg.ds_config)
+    layout = ParallelLayout.from_launch(cfg.sequence_parallel_size, zero_stage(raw_ds),
+                                        world_size=1 if command == "check" else world_size)
+    if command == "train":
+        check_output_dir(cfg)
+    tokenizer, rows = tokenizer_and_rows(cfg)
+    check_layout_settings(cfg, layout, attn, len(tokenizer))
+    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
+                               device_type)
+    prepared = prepare_run_data(cfg, tokenizer, rows)
+    plan_cfg = checked_plan_config(cfg, layout, prepared)
+    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg)
+    if command == "train":
+        setup.resume = check_resume(cfg, prepared.fingerprint, layout)
+    if command in TRAINING_COMMANDS:
+        setup.precomputed = load_precomputed_reference(setup)
+    return setup
+
+
+@dataclass
+class Run:
+    """An assembled run: the engines (or the reference alone) and how to turn a planned row into log-probs."""
+
+    setup: RunSetup
+    policy: object | None  # the DeepSpeed policy engine (None for precompute-ref)
+    reference: object | None  # a reference engine or module, a PrecomputedReference, or None (SimPO)
+    sequence_parallel: SequenceParallel | None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(get_accelerator().current_device_name())
+
+    @property
+    def reference_is_precomputed(self) -> bool:
+        return isinstance(self.reference, PrecomputedReference)
+
+    def _forward(self, model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096, impl: str = "lean"):
+        """One forward's per-sequence log-probs; under sequence parallelism each rank runs its slice."""
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel.forward_logps(model, batch, attn, chunk_tokens, impl)
+        return forward_logps(model, batch, attn, chunk_tokens, impl)
+
+    def forward_logps(self, model, batch: ModelBatch) -> SequenceLogps:
+        cfg = self.setup.cfg
+        return self._forward(model, batch, self.setup.model_attn, cfg.logps_chunk_tokens, cfg.logps_impl)
+
+    def reference_logps(self, batch: ModelBatch) -> SequenceLogps | None:
+        """The reference log-probs of ``batch``: looked up, run without gradients, or None (SimPO)."""
+        if self.reference is None:
+            return None
+        if self.reference_is_precomputed:
+            return self.reference.sequence_logps(batch)
+        with torch.no_grad():
+            return self.forward_logps(self.reference, batch)
+
+    def row_batch(self, row) -> ModelBatch:
+        """The model inputs of one planned row, packed or padded as the run is, on this rank's device."""
+        setup = self.setup
+        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.cfg.packing).to(self.device)
+
+    def check_packing(self) -> None:
+        """The start-up guard (packed runs): packed log-probs equal each sequence alone, on every rank together."""
+        model = self.policy if self.policy is not None else self.reference
+        assert_packing_exact(model, self.setup.model_attn, self.setup.vocab_size, self.setup.pad_token_id,
+                             device=self.device, forward=self._forward)
+
+    def close(self) -> None:
+        """Frees the engines before the next run of this process is built (a bench's next configuration)."""
+        for engine in (self.policy, self.reference):
+            if engine is not None and hasattr(engine, "destroy"):
+                engine.destroy()
+        self.policy = self.reference = None
+        gc.collect()
+        get_accelerator().empty_cache()
+
+
+def start(setup: RunSetup) -> Run:
+    """Phase two: process group, sequence-parallel groups and attention, engines, packing guard."""
+    cfg, layout = setup.cfg, setup.layout
+    init_process_group(layout, cfg.collective_timeout_s)
+    sequence_parallel = mpu = None
+    if layout.sp_size > 1:
+        sequence_parallel, mpu = init_sequence_parallel(layout, setup.attn, setup.pad_token_id)
+    policy = None
+    if setup.command in TRAINING_COMMANDS:
+        policy = build_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
+    if setup.precomputed is not None:
+        reference = setup.precomputed
+    elif setup.command in TRAINING_COMMANDS and cfg.loss == "simpo":
+        reference = None  # reference-free
+    else:
+        reference = build_reference(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
+    run = Run(setup, policy, reference, sequence_parallel)
+    if cfg.packing and not cfg.skip_packing_check:
+        run.check_packing()
+    return run
+
+
+def assemble(cfg: TrainConfig, command: str = "train") -> Run:
+    """Both phases, under a launcher (one rank of the job)."""
+    return start(prepare(cfg, command))
+
+
+def model_alone(setup: RunSetup):
+    """``check``: the policy model in this process, no process group and no DeepSpeed, on the accelerator."""
+    model = load_model(setup.cfg, setup.cfg.model, setup.vocab_size, setup.attn)
+    return model.to(get_accelerator().current_device_name())

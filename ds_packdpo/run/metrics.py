@@ -1,0 +1,70 @@
+"""Rank 0's outputs of a training run: the run files, metrics.jsonl, the progress bar and DeepSpeed's monitors.
+
+Every optimizer step becomes one JSON line, flushed at once (a crash loses at most
+the step in flight), one update of the tqdm bar and one batch of DeepSpeed monitor
+events (tensorboard, csv, wandb, comet: whichever the DeepSpeed config enables).
+On resume the metrics file is continued after dropping the records of the steps the
+resume redoes.  Other ranks write nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..config import to_dict
+from .checkpoint import trim_metrics
+
+
+class MetricsWriter:
+    def __init__(self, run, total_steps: int, done_steps: int, resumed: bool):
+        cfg = run.setup.cfg
+        self.policy = run.policy
+        self.enabled = run.setup.layout.rank == 0
+        self.file = None
+        self.bar = tqdm(total=total_steps, initial=min(done_steps, total_steps), desc="dpo", unit="step",
+                        dynamic_ncols=True, disable=not (self.enabled and cfg.progress))
+        if not self.enabled:
+            return
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+        (out / "data_summary.json").write_text(json.dumps(run.setup.prepared.summary, indent=2) + "\n")
+        path = Path(cfg.resolved_metrics_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resumed:
+            trim_metrics(path, done_steps)  # records of steps the resume undoes
+        self.file = open(path, "a" if resumed else "w")
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self._monitor(record)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
+                             tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        self.bar.update(1)
+
+    def _monitor(self, record: dict) -> None:
+        """Hands the step's figures to DeepSpeed's monitors as ``Train/<name>``.
+
+        They are indexed like DeepSpeed's own events (its ``Train/Samples/lr``, written inside
+        ``engine.step()``): by the engine's ``global_samples`` (here the data-parallel size
+        times the optimizer step).  With the optimizer step as index, behind DeepSpeed's on 2+
+        ranks, wandb would drop every one of them (its steps must never go back).
+        ``Train/step`` maps the index to the step.
+        """
+        monitor = getattr(self.policy, "monitor", None)
+        if monitor is not None and getattr(monitor, "enabled", False):
+            index = self.policy.global_samples
+            monitor.write_events([(f"Train/{k}", v, index) for k, v in record.items()
+                                  if isinstance(v, (int, float)) and math.isfinite(v)])
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file is not None:
+            self.file.close()

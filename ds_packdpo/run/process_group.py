@@ -1,0 +1,44 @@
+"""Starting the process group, and telling a failed collective (a dead or stalled peer) from a bug.
+
+The collective timeout bounds every collective of the run, so a dead rank ends its
+peers with an error instead of a hang; :func:`is_collective_failure` lets the loop turn
+that error into one line naming what to do (exit code 5).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+
+from .layout import ParallelLayout
+
+# Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
+RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def init_process_group(layout: ParallelLayout, collective_timeout_s: float) -> None:
+    """Starts the process group once per process (a bench measures several configurations in one) and checks
+    that it is the job ``layout`` was made for."""
+    if not dist.is_initialized():
+        if not all(key in os.environ for key in RENDEZVOUS_ENV):
+            # DeepSpeed's MPI discovery (what init_distributed(auto_mpi_discovery=True) runs) sets MASTER_PORT to its
+            # argument, not to the environment's, and MASTER_ADDR to rank 0's first `hostname -I` address: run it
+            # here with the job's port, then put back an address the job gave (launch/mpirun.sh exports both).
+            master_addr = os.environ.get("MASTER_ADDR")
+            deepspeed.comm.mpi_discovery(int(os.environ.get("MASTER_PORT", TORCH_DISTRIBUTED_DEFAULT_PORT)),
+                                         verbose=False)
+            if master_addr:
+                os.environ["MASTER_ADDR"] = master_addr
+        deepspeed.init_distributed(timeout=timedelta(seconds=collective_timeout_s), auto_mpi_discovery=True,
+                                   verbose=False)
+    layout.check_process_group(dist.get_rank(), dist.get_world_size())
+
+
+def is_collective_failure(error: RuntimeError) -> bool:
+    """A collective that failed because a peer died or stalled (gloo/NCCL/c10d errors), not a bug of ours."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(key in text for key in ("gloo", "NCCL", "c10d"))
