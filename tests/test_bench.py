@@ -57,24 +57,43 @@ def test_flop_model_counts_every_weight_but_the_input_embedding():
 
 # ---- one real bench launch ----------------------------------------------------------------------
 
+BENCH_RUN = ["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8", "--micro-batch-pairs", "2",
+             "--model-config", "tiny", "--max-steps", "2", "--bench-warmup-steps", "1", "--no-progress"]
+
+
+def launch_bench(root, name: str, configurations: str, *flags: str):
+    out = root / name
+    run(deepspeed_module(2, "ds_packdpo.bench", *BENCH_RUN, "--cache-dir", str(root / f"cache_{name}"),
+                         "--configurations", configurations, "--out", str(out), *flags), timeout=600)
+    return out
+
+
 @pytest.fixture(scope="module")
 def bench_folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench")
-    out = root / "tiny"
-    run(deepspeed_module(2, "ds_packdpo.bench", "--synthetic-pairs", "48", "--max-length", "64",
-                         "--global-batch-pairs", "8", "--micro-batch-pairs", "2", "--model-config", "tiny",
-                         "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir", str(root / "cache"),
-                         "--configurations", "packed,padded,packed-plain-logps,packed-precomputed-ref",
-                         "--out", str(out), "--no-progress"), timeout=600)
-    return out
+    return launch_bench(tmp_path_factory.mktemp("bench"), "tiny",
+                        "packed,padded,packed-plain-logps,packed-precomputed-ref")
+
+
+@pytest.fixture(scope="module")
+def bench_folder_sp2(tmp_path_factory):
+    """The same bench with both ranks sharing every row (one data-parallel replica): the steps' pairs are the same."""
+    return launch_bench(tmp_path_factory.mktemp("bench"), "sp2", "packed,packed-precomputed-ref",
+                        "--sequence-parallel-size", "2")
 
 
 @pytest.mark.multirank
 def test_bench_report_is_consistent(bench_folder):
     report = read_report(bench_folder)  # checks every documented key and its type
     packed, padded = report["runs"]["packed"], report["runs"]["padded"]
-    assert report["world_size"] == 2 and report["dataset"] == "synthetic"
+    assert (report["world_size"], report["dp_size"], report["sp_size"]) == (2, 2, 1) and report["dataset"] == "synthetic"
     assert packed["attn"] == padded["attn"] == "sdpa_varlen" and packed["packing"] and not padded["packing"]
+    # every configuration trained the same thing: packed and padded agree to fp32 rounding, step by step
+    assert report["same_trajectory"] is True and report["loss_max_rel_diff"] < 1e-5
+    for other in report["runs"].values():
+        assert other["sequence_parallel_size"] == 1
+        for step, want in zip(other["steps"], packed["steps"], strict=True):
+            assert step["loss"] == pytest.approx(want["loss"], rel=1e-5)
+            assert step["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     # the same pairs in the same steps, laid out differently
     assert packed["real_tokens"] == padded["real_tokens"] and packed["pairs"] == padded["pairs"] == 2 * 8
     assert [s["sequence_lengths"] for s in packed["steps"]] == [s["sequence_lengths"] for s in padded["steps"]]
@@ -109,6 +128,8 @@ def test_bench_report_is_consistent(bench_folder):
     markdown = (bench_folder / "report.md").read_text()
     assert "| packed | sdpa_varlen |" in markdown and "| padded | sdpa_varlen |" in markdown
     assert f"{report['speedup']:.3g}" in markdown and "ds_packdpo.bench" in markdown
+    assert "2 ranks (2 data-parallel x 1 sequence-parallel)" in markdown
+    assert "the same trajectory up to rounding" in markdown
     assert not [p for p in bench_folder.parent.iterdir() if p.name.startswith(".")]  # no staging folder left
 
 
@@ -127,8 +148,47 @@ def test_plain_logps_and_precomputed_reference_configurations(bench_folder):
     for step in precomputed["steps"]:
         assert step["flops"] == pytest.approx(step_flops(without_reference, step["computed_tokens"], step["attention_sq"]))
     assert precomputed["model_flops"] < packed["model_flops"] == pytest.approx(plain["model_flops"])
-    reference_file = bench_folder.parent / "cache" / "bench_models" / "reference_logps.jsonl"
+    reference_file = bench_folder.parent / "cache_tiny" / "bench_models" / "reference_logps.jsonl"
     assert len(reference_file.read_text().splitlines()) == 48  # every pair of the data, once
+
+
+@pytest.mark.multirank
+def test_bench_under_sequence_parallelism_trains_what_one_rank_per_row_trains(bench_folder, bench_folder_sp2):
+    """S=2 on 2 ranks: each row split over both ranks, counted once; loss and grad norm equal the S=1 bench's, and
+    the precomputed reference (precompute-ref run at S=2 inside the bench) equals the S=1 file."""
+    single, shared = read_report(bench_folder), read_report(bench_folder_sp2)
+    assert (shared["world_size"], shared["dp_size"], shared["sp_size"]) == (2, 1, 2)
+    assert shared["same_trajectory"] is True
+    for name in ("packed", "packed-precomputed-ref"):
+        got, want = shared["runs"][name], single["runs"][name]
+        assert got["sequence_parallel_size"] == 2 and len(got["steps"][0]["rank_tokens"]) == 1  # one share
+        assert got["pairs"] == want["pairs"] and got["real_tokens"] == want["real_tokens"]  # counted once, not twice
+        for step, ref in zip(got["steps"], want["steps"], strict=True):
+            assert step["step"] == ref["step"] and sorted(step["sequence_lengths"]) == sorted(ref["sequence_lengths"])
+            assert step["loss"] == pytest.approx(ref["loss"], rel=1e-4), (name, step["step"])
+            assert step["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (name, step["step"])
+    markdown = (bench_folder_sp2 / "report.md").read_text()
+    assert "2 ranks (1 data-parallel x 2 sequence-parallel)" in markdown
+
+    def reference_file(folder):
+        return [json.loads(line) for line in (folder.parent / f"cache_{folder.name}" / "bench_models" /
+                                              "reference_logps.jsonl").read_text().splitlines()]
+
+    s1, s2 = reference_file(bench_folder), reference_file(bench_folder_sp2)
+    assert [r["pair_id"] for r in s1] == [r["pair_id"] for r in s2] and len(s1) == 48
+    for a, b in zip(s1, s2):
+        assert (a["chosen_tokens"], a["rejected_tokens"]) == (b["chosen_tokens"], b["rejected_tokens"])
+        for key in ("chosen_logps", "rejected_logps"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["pair_id"], key)
+
+
+def test_bench_refuses_a_configuration_the_layout_cannot_run(tmp_path, capsys):
+    """Padded micro-batches cannot be split over a sequence-parallel group: refused before any rank starts."""
+    assert cli.main(["bench", *BENCH_RUN, "--cache-dir", str(tmp_path / "cache"), "--sequence-parallel-size", "2",
+                     "--configurations", "packed,padded", "--out", str(tmp_path / "b")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: --configurations padded: --sequence-parallel-size 2 splits packed rows"), last
+    assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.multirank
@@ -169,6 +229,7 @@ def test_merge_of_two_bench_folders(bench_folder, tmp_path):
     entries = {(e["source"], e["configuration"]): e for e in merged["entries"]}
     configurations = len(changed["runs"])
     assert configurations == 4 and len(entries) == 2 * configurations and entries[(str(other), "packed")]["world_size"] == 4
+    assert entries[(str(other), "packed")]["sp_size"] == 1
     assert entries[(str(other), "packed")]["tokens_per_s"] == 2 * entries[(str(bench_folder), "packed")]["tokens_per_s"]
     assert (out / "report.md").read_text().count("| padded |") == 2
     assert (out / "tokens_per_s.png").read_bytes()[:4] == b"\x89PNG"

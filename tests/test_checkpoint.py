@@ -232,3 +232,39 @@ def test_trim_metrics_drops_undone_and_torn_records(tmp_path):
     assert trim_metrics(path, 3) == 3
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
     assert trim_metrics(tmp_path / "absent.jsonl", 3) == 0
+
+
+SP2 = ["--sequence-parallel-size", "2", "--max-tokens-per-row", "100"]  # most pairs need more than one rank's 100
+
+
+@pytest.mark.multirank
+def test_resume_under_sequence_parallelism_continues_exactly(tmp_path, capsys):
+    """Both ranks share every row (1 data-parallel x 2 sequence-parallel): a rank killed after the step-2
+    checkpoint, the job resumed at the same layout, continues the uninterrupted run exactly; another layout is
+    refused before any process group, naming both."""
+    straight = tmp_path / "straight"
+    run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp_path, "straight", *SP2, "--max-steps", "4")))
+    reference = read_metrics(straight / "metrics.jsonl")
+    killed = tmp_path / "killed"
+    proc = run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp_path, "killed", *SP2, "--max-steps", "4",
+                                                               "--save-steps", "2")),
+               check=False, env=cpu_env(DS_PACKDPO_FAULT_KILL="1:3"))
+    assert proc.returncode != 0
+    assert (killed / "checkpoints" / LATEST).read_text() == "global_step2"
+    state = json.loads((killed / "checkpoints" / "global_step2" / STATE_FILE).read_text())
+    assert state["layout"] == {"world_size": 2, "dp_size": 1, "sp_size": 2}
+    run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp_path, "killed", *SP2, "--max-steps", "4",
+                                                       "--save-steps", "2", "--resume", "auto")))
+    resumed = read_metrics(killed / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and all(r["pairs"] == 8 for r in resumed)
+    largest = assert_same_steps(resumed, reference, range(1, 5))
+    with capsys.disabled():
+        print(f"2 ranks at S=2, resumed vs uninterrupted, largest metric difference: {largest}")
+    # the same world with one rank per row is another layout: refused in phase one (no launch needed)
+    proc = run(rank_module("ds_packdpo.train", *flags(tmp_path, "killed", "--max-steps", "4", "--resume", "auto")),
+               check=False, env=cpu_env(WORLD_SIZE="2", RANK="0"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"error: --resume {killed / 'checkpoints' / 'global_step4'}: written by 2 ranks (1 data-parallel x "
+                    "2 sequence-parallel), this run is 2 ranks (2 data-parallel x 1 sequence-parallel); DeepSpeed ZeRO "
+                    "shards load only into the same layout"), last
