@@ -8,7 +8,7 @@ from .data.prepare import DataConfig, prepare_pairs
 from .data.tokenizer import load_tokenizer
 from .errors import InputError
 from .model.attention import resolve_attn
-from .model.build import TORCH_DTYPES, build_model
+from .model.build import TORCH_DTYPES, build_model, check_model_folder
 from .model.guard import packing_exactness, synthetic_pairs
 
 
@@ -19,6 +19,7 @@ def run_check(model: str, tokenizer: str, attn: str = "auto", dataset: str | Non
         raise InputError(f"--pairs must be >= 1, got {pairs}")
     if dtype not in TORCH_DTYPES:
         raise InputError(f"--dtype: unknown {dtype!r} (choices: {', '.join(TORCH_DTYPES)})")
+    check_model_folder(model)  # before the tokenizer, which defaults to the same folder
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     resolved = resolve_attn(attn, device_type, needs_backward=False)
     tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)

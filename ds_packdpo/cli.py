@@ -12,13 +12,16 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
 
-from .errors import InputError, run_guarded
+from .errors import InputError, PeerFailureError, run_guarded
+from .files import check_output_file
+from .run.build_lock import remove_stale_locks
 
 LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
@@ -36,7 +39,28 @@ def _launch(argv: list[str], procs: int, master_port: int | None, module: str) -
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port or free_port()),
            "--module", module, *argv]
-    return subprocess.call(cmd, env=env)
+    return launcher_status(subprocess.call(cmd, env=env))
+
+
+def launcher_status(code: int) -> int:
+    """Our exit code for the deepspeed launcher's ``code``.
+
+    The launcher exits with the status of the first rank that failed and stops the
+    others: a rank's own code (2 bad input, 4, 5 ...) comes through unchanged, but a
+    rank killed by signal N (OOM killer, SIGKILL) shows as ``256 - N`` (Python's
+    ``sys.exit(-N)``; 247 for SIGKILL).  That is a dead peer of the run: exit 5, as
+    its survivors would have.
+    """
+    try:
+        killed_by = signal.Signals(256 - code) if 128 < code < 256 else None
+    except ValueError:
+        killed_by = None
+    if killed_by is None:
+        return code
+    print(f"error: a rank was killed by {killed_by.name} (the deepspeed launcher exited {code}) and the launcher "
+          f"stopped the others; relaunch with --resume auto to continue from the last complete checkpoint",
+          file=sys.stderr)
+    return PeerFailureError.exit_code
 
 
 def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -47,10 +71,15 @@ def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_prepare(argv: list[str]) -> int:
+def prepare_parser() -> argparse.ArgumentParser:
     parser = _data_parser("ds-packdpo prepare", "Tokenize and validate a preference dataset; print a JSON summary.")
-    parser.add_argument("--out", default=None, help="Write the tokenized pairs as JSON lines.")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default=None, help="Write the tokenized pairs as JSON lines (an existing file only "
+                        "with --overwrite).")
+    return parser
+
+
+def cmd_prepare(argv: list[str]) -> int:
+    args = prepare_parser().parse_args(argv)
 
     def job() -> int:
         from .config import config_from_args
@@ -58,6 +87,8 @@ def cmd_prepare(argv: list[str]) -> int:
         from .run.trainer import _tokenizer_and_rows
 
         cfg = config_from_args(args)
+        if args.out:
+            check_output_file(args.out, "--out", overwrite=cfg.overwrite)
         tokenizer, rows = _tokenizer_and_rows(cfg)
         data_cfg = DataConfig.from_settings(cfg, dataset=cfg.dataset or "synthetic")
         if args.out:
@@ -71,11 +102,15 @@ def cmd_prepare(argv: list[str]) -> int:
     return run_guarded(job)
 
 
-def cmd_pack_stats(argv: list[str]) -> int:
+def pack_stats_parser() -> argparse.ArgumentParser:
     parser = _data_parser("ds-packdpo pack-stats", "Plan only (no model): packing and balance figures as JSON.")
     parser.add_argument("--world-size", type=int, default=1, help="Data-parallel ranks to plan for.")
     parser.add_argument("--plan-out", default=None, help="Write one JSON line per (step, rank, row).")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_pack_stats(argv: list[str]) -> int:
+    args = pack_stats_parser().parse_args(argv)
 
     def job() -> int:
         from .config import config_from_args
@@ -85,6 +120,8 @@ def cmd_pack_stats(argv: list[str]) -> int:
         cfg = config_from_args(args)
         if args.world_size < 1:
             raise InputError(f"--world-size must be >= 1, got {args.world_size}")
+        if args.plan_out:
+            check_output_file(args.plan_out, "--plan-out", overwrite=True)  # the plan is derived data
         tokenizer, rows = _tokenizer_and_rows(cfg)
         prepared = prepare_data(cfg, tokenizer, rows)
         plan_cfg = PlanConfig(max_tokens_per_row=cfg.row_budget, world_size=args.world_size, seed=cfg.seed,
@@ -103,7 +140,7 @@ def cmd_pack_stats(argv: list[str]) -> int:
     return run_guarded(job)
 
 
-def cmd_check(argv: list[str]) -> int:
+def check_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-packdpo check",
                                      description="Packed vs one-sequence-at-a-time log-probs of a real model.")
     parser.add_argument("--model", required=True)
@@ -113,7 +150,11 @@ def cmd_check(argv: list[str]) -> int:
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--trust-remote-code", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_check(argv: list[str]) -> int:
+    args = check_parser().parse_args(argv)
 
     def job() -> int:
         from .check import run_check
@@ -135,7 +176,7 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
     pre.add_argument("--num-procs", type=int, default=None)
     pre.add_argument("--master-port", type=int, default=None)
     launch, rest = pre.parse_known_args(argv)
-    procs = launch.num_procs or _default_procs()
+    procs = _default_procs() if launch.num_procs is None else launch.num_procs
     _cpu_unless_cuda()
 
     def check() -> int:
@@ -143,6 +184,7 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
         if procs < 1:
             raise InputError(f"--num-procs must be >= 1, got {procs}")
         validate(rest, procs)
+        remove_stale_locks()  # a stale one would hang every rank in init_distributed, with no output
         return 0
 
     code = run_guarded(check)
@@ -168,9 +210,10 @@ def _check_train(argv: list[str], procs: int) -> None:
     """Train's phase one (settings, DeepSpeed config, output folder, data rows, resume point); its tokenization
     fills the cache the ranks then read."""
     from .config import parse_train_args
+    from .run.reference import load_precomputed_reference
     from .run.trainer import prepare_run
 
-    prepare_run(parse_train_args(argv), world_size=procs)
+    load_precomputed_reference(prepare_run(parse_train_args(argv), world_size=procs))
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -191,7 +234,7 @@ def cmd_precompute_ref(argv: list[str]) -> int:
     return _distributed_command(argv, "ds_packdpo.precompute_ref", rank_main, validate)
 
 
-def cmd_export(argv: list[str]) -> int:
+def export_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-packdpo export",
                                      description="A training checkpoint as a Hugging Face folder (safetensors).")
     parser.add_argument("--checkpoint", required=True, help="A checkpoint folder, or a --save-dir (its 'latest').")
@@ -199,7 +242,11 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="Default: the training dtype.")
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out folder.")
     parser.add_argument("--trust-remote-code", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_export(argv: list[str]) -> int:
+    args = export_parser().parse_args(argv)
 
     def job() -> int:
         from .run.export import export_checkpoint
@@ -218,13 +265,17 @@ def cmd_bench(argv: list[str]) -> int:
     return _distributed_command(argv, "ds_packdpo.bench", rank_main, lambda rest, procs: parse_bench_args(rest))
 
 
-def cmd_report(argv: list[str]) -> int:
+def report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-packdpo report",
                                      description="Merge bench folders into one comparison report.")
     parser.add_argument("folders", nargs="+", help="Bench folders (each holding report.json).")
     parser.add_argument("--out", required=True, help="Folder of the comparison (merged.json, report.md, PNG).")
     parser.add_argument("--overwrite", action="store_true", help="Replace --out if it exists.")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_report(argv: list[str]) -> int:
+    args = report_parser().parse_args(argv)
 
     def job() -> int:
         from .report import merge_reports, write_merged
@@ -243,6 +294,8 @@ COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_s
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"ds-packdpo: unknown command {argv[0]!r}", file=sys.stderr)
         names = ", ".join(COMMANDS)
         print(f"usage: ds-packdpo {{{names}}} [flags]   (ds-packdpo COMMAND --help for the flags)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

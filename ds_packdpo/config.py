@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -131,6 +132,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need nothing but the settings themselves."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InputError(f"--{flag(f.name)} must be a finite number, got {value}")
+        for key in ("weight_decay", "max_grad_norm", "warmup_steps"):
+            if getattr(self, key) < 0:
+                raise InputError(f"--{flag(key)} must be >= 0, got {getattr(self, key)}")
         positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "logps_chunk_tokens",
                     "sequence_parallel_size"]
         for key in positive:
@@ -158,6 +166,8 @@ class TrainConfig:
             path = getattr(self, key)
             if path is not None and not Path(path).is_dir():
                 raise InputError(f"--{flag(key)} {path}: no such folder")
+            if path is not None and key != "tokenizer" and not (Path(path) / "config.json").is_file():
+                raise InputError(f"--{flag(key)} {path}: no config.json in the folder (not a Hugging Face model folder)")
         for key in ("save_steps", "save_total_limit"):
             value = getattr(self, key)
             if value is not None and value < 1:
@@ -255,11 +265,14 @@ def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
     return cfg
 
 
-def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train") -> TrainConfig:
+def train_parser(prog: str = "ds-packdpo train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.")
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    return config_from_args(args)
+    return parser
+
+
+def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train") -> TrainConfig:
+    return config_from_args(train_parser(prog).parse_args(argv))
 
 
 def to_dict(cfg) -> dict:

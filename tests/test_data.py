@@ -291,6 +291,10 @@ BAD_ROWS = {
         rows_in("conversational"), 0, conv([{"role": "user", "content": "q"}], chosen=[{"role": "user", "content": "c"}]),
         "row 0: chosen[0] has role 'user'",
     ),
+    "sharegpt completion from the human": (  # the role as the file spells it, not the chat role it maps to
+        rows_in("sharegpt"), 1, share([{"from": "human", "value": "q"}], chosen={"from": "human", "value": "c"}),
+        "row 1: chosen[0] has role 'human'; a completion is assistant messages",
+    ),
     "sharegpt completion not one message": (
         rows_in("sharegpt"), 1, share([{"from": "human", "value": "q"}], chosen=[{"from": "gpt", "value": "c"}]),
         "row 1: field 'chosen' must be one {from, value} message, got a list",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from ..errors import InputError, first_line
@@ -41,9 +42,15 @@ def load_model_config(model_config: str, vocab_size: int):
                          f"(expected {', '.join(map(repr, TINY_CONFIGS))}, a config.json or a folder holding one)")
     try:
         config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, TypeError, ArithmeticError, StrictDataclassError) as error:
+        # transformers validates some values as it builds the config (StrictDataclassError, a division by 0 heads)
         raise InputError(f"--model-config {path}: unreadable model config ({first_line(error)})") from None
     _check_vocab(config, vocab_size, f"--model-config {path}")
+    try:
+        with torch.device("meta"):  # the layers' shapes, with no memory: an impossible size fails here, not in a rank
+            AutoModelForCausalLM.from_config(config)
+    except (RuntimeError, ValueError, TypeError, ArithmeticError) as error:
+        raise InputError(f"--model-config {path}: cannot build a model from it ({first_line(error)})") from None
     return config
 
 
@@ -54,6 +61,15 @@ def _check_vocab(config, vocab_size: int, where: str) -> None:
                          f"(use the model's own tokenizer or a config with vocab_size >= {vocab_size})")
 
 
+def check_model_folder(model: str) -> Path:
+    """``--model`` as a local HF folder (one with a config.json), or InputError naming it."""
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        reason = "no config.json in the folder" if folder.is_dir() else "no such folder"
+        raise InputError(f"--model {model}: not a local HF model folder ({reason})")
+    return folder
+
+
 def build_model(model: str | None, model_config: str | None, vocab_size: int, dtype: torch.dtype, attn: str,
                 seed: int = 0, trust_remote_code: bool = False):
     """``from_pretrained(model)`` for a local HF folder, else random weights from ``model_config`` (default 'tiny').
@@ -62,10 +78,7 @@ def build_model(model: str | None, model_config: str | None, vocab_size: int, dt
     policy and a reference built alike are identical.
     """
     if model is not None:
-        folder = Path(model)
-        if not (folder / "config.json").is_file():
-            reason = "no config.json in the folder" if folder.is_dir() else "no such folder"
-            raise InputError(f"--model {model}: not a local HF model folder ({reason})")
+        folder = check_model_folder(model)
         try:
             lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=attn,
                                                       trust_remote_code=trust_remote_code)

@@ -16,12 +16,15 @@ import os
 from pathlib import Path
 
 from ..config import REPO_DS_CONFIGS, TrainConfig
-from ..errors import InputError
+from ..errors import InputError, first_line
 
 # Keys ds_packdpo owns: each must be "auto" (or the one value the run implies).
 _PINNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # DeepSpeed's monitor sections: the trainer reports through the policy engine's monitor only.
 _MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
+# The config section each of DeepSpeed's pydantic models reads, to name the key in an error.
+_SECTION_OF_MODEL = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+                     "DeepSpeedFP16Config": "fp16"}
 
 
 def launch_world_size() -> int:
@@ -129,7 +132,38 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
         optimizer.setdefault("params", {}).setdefault("torch_adam", True)
     if optimizer and optimizer.get("type", "").lower() not in ("adam", "adamw", "lamb", "onebitadam", "lion"):
         ds.setdefault("zero_allow_untested_optimizer", True)
+    validate_ds_config(ds, source, dp_world_size)
     return ds
+
+
+def validate_ds_config(ds: dict, source: str, dp_world_size: int) -> None:
+    """What DeepSpeed itself would refuse in every rank (its pydantic config models, its optimizer and scheduler
+    names), refused here in one line naming the key, before any process group starts."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+    from pydantic import ValidationError
+
+    for section, known in (("optimizer", lambda name: name.lower() in DEEPSPEED_OPTIMIZERS
+                            or hasattr(torch.optim, name)),
+                           ("scheduler", lambda name: hasattr(lr_schedules, name)
+                            or hasattr(torch.optim.lr_scheduler, name))):
+        name = ds.get(section, {}).get("type")
+        if name is not None and not (isinstance(name, str) and known(name)):
+            raise InputError(f"--ds-config {source}: '{section}.type': {name!r} is neither a DeepSpeed nor a "
+                             f"torch.optim {section}")
+    # Before any process group DeepSpeed counts one rank; the batch keys are ours (checked above) and pinned to
+    # one row per rank, so it is shown the batch of one rank.
+    one_rank = {**ds, "train_batch_size": ds["train_batch_size"] // dp_world_size}
+    try:
+        DeepSpeedConfig(one_rank)
+    except ValidationError as error:
+        detail = error.errors()[0]
+        section = _SECTION_OF_MODEL.get(error.title, error.title)
+        key = ".".join([section, *map(str, detail["loc"])])
+        raise InputError(f"--ds-config {source}: '{key}': {detail['msg']}, got {detail['input']!r}") from None
+    except (ValueError, AssertionError, TypeError, KeyError) as error:
+        raise InputError(f"--ds-config {source}: DeepSpeed refuses it ({first_line(error)})") from None
 
 
 def reference_ds_config(policy_ds: dict, offload: bool) -> dict:

@@ -178,6 +178,9 @@ def init_process_group(cfg: TrainConfig) -> None:
     import deepspeed
     from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+    from .build_lock import remove_stale_locks
+
+    remove_stale_locks()  # init_distributed JIT-builds DeepSpeed's CPU comm extension: a stale lock hangs it
     if not all(key in os.environ for key in RENDEZVOUS_ENV):
         # DeepSpeed's MPI discovery (what init_distributed(auto_mpi_discovery=True) runs) sets MASTER_PORT to its
         # argument, not to the environment's, and MASTER_ADDR to rank 0's first `hostname -I` address: run it
