@@ -294,3 +294,19 @@ def test_check_blames_the_missing_model_folder_not_the_tokenizer(tmp_path, capsy
     missing = tmp_path / "no_model"
     code = cli.main(["check", "--model", str(missing)])
     assert_one_line_error(code, capsys.readouterr().err, f"--model {missing}: not a local HF model folder (no such folder)")
+
+
+def test_export_names_the_unreadable_shard(tmp_path, out_dir, demo_tokenizer, capsys):
+    """A damaged ZeRO shard (placeholder bytes, not a torch archive): its file named, not an UnpicklingError."""
+    from ds_packdpo.model.build import tiny_config
+
+    tag = fake_checkpoint(tmp_path / "ckpt" / "global_step3", 1, 1, dtype="fp32",
+                          position={"epoch": 0, "epoch_step": 3, "global_step": 3})
+    tiny_config(vocab_size=len(demo_tokenizer)).save_pretrained(tag / "hf")
+    demo_tokenizer.save_pretrained(tag / "hf")
+    before = snapshot(out_dir)
+    code = cli.main(["export", "--checkpoint", str(tag), "--out", str(out_dir), "--overwrite"])
+    assert_one_line_error(code, capsys.readouterr().err,  # zero_to_fp32 reads the model states first
+                          f"--checkpoint {tag}: zero_pp_rank_0_mp_rank_00_model_states.pt is unreadable (corrupt or "
+                          "truncated: ")
+    assert snapshot(out_dir) == before
