@@ -114,7 +114,7 @@ def cmd_pack_stats(argv: list[str]) -> int:
 
     def job() -> int:
         from .config import config_from_args
-        from .data.plan import PlanConfig, iter_plan, pack_stats, write_plan_jsonl
+        from .data.plan import PlanConfig, iter_plan, pack_stats, warn_if_ranks_idle, write_plan_jsonl
         from .run.trainer import _tokenizer_and_rows, prepare_data
 
         cfg = config_from_args(args)
@@ -129,6 +129,7 @@ def cmd_pack_stats(argv: list[str]) -> int:
                               drop_last=cfg.drop_last, attention_weight=cfg.attention_weight,
                               micro_batch_pairs=cfg.micro_batch_pairs)
         lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
+        warn_if_ranks_idle(len(prepared.chosen_lengths), plan_cfg)
         stats = pack_stats(*lengths, plan_cfg, epochs=cfg.epochs)
         if args.plan_out:
             write_plan_jsonl(iter_plan(*lengths, plan_cfg, cfg.epochs), args.plan_out,

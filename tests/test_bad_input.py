@@ -310,3 +310,14 @@ def test_export_names_the_unreadable_shard(tmp_path, out_dir, demo_tokenizer, ca
                           f"--checkpoint {tag}: zero_pp_rank_0_mp_rank_00_model_states.pt is unreadable (corrupt or "
                           "truncated: ")
     assert snapshot(out_dir) == before
+
+
+def test_train_phase_one_warns_when_ranks_idle(tmp_path, out_dir, tokenizer_dir):
+    """Not an error, but said before the launch: 1 pair per step on 2 ranks leaves one rank idle."""
+    from ds_packdpo.config import parse_train_args
+    from ds_packdpo.run.trainer import prepare_run
+
+    with pytest.warns(UserWarning, match="1 pairs per step for 2 data-parallel ranks: 1 ranks get no pair .* at most "
+                                         "50% of the ranks' compute"):
+        prepare_run(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--global-batch-pairs", "1"]),
+                    world_size=2)

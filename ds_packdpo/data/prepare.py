@@ -524,6 +524,16 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
             f"{label}: {identical} pairs have identical chosen and rejected completions; kept, but they teach nothing",
             stacklevel=2,
         )
+    distinct = {json.dumps([row["prompt"], row["chosen"], row["rejected"]], sort_keys=True) for row in normalized}
+    duplicates = len(normalized) - len(distinct)
+    if duplicates:
+        warnings.warn(f"{label}: {duplicates} pairs repeat an earlier pair exactly (prompt, chosen and rejected); "
+                      f"kept, so those pairs weigh double", stacklevel=2)
+    assistant_last = sum(isinstance(row["prompt"], list) and row["prompt"][-1]["role"] == "assistant"
+                         for row in normalized)
+    if assistant_last:
+        warnings.warn(f"{label}: {assistant_last} prompts end with an assistant turn, so the completion answers the "
+                      f"assistant, not the user (a prompt/completion split in the wrong place?)", stacklevel=2)
     conversational = fmt in CONVERSATIONAL_FORMATS
     if not conversational and tokenizer.eos_token_id is None:
         raise InputError(f"{label}: standard-format completions end with EOS, but the tokenizer has no eos_token")
@@ -583,6 +593,8 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
         "dropped": dict(sorted(dropped.items())),
         "beyond_max_pairs": beyond_max_pairs,
         "identical_chosen_rejected": int(identical),
+        "duplicate_pairs": duplicates,
+        "prompt_ends_with_assistant": int(assistant_last),
         "prompt_truncated": int(stats["prompt_cut"][kept].sum()),
         "completion_truncated": int(stats["completion_cut"][kept].sum()),
         "template_prefix_mismatch": int(stats["template_mismatches"].sum()),

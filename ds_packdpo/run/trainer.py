@@ -119,7 +119,7 @@ def prepare_run(cfg: TrainConfig, world_size: int | None = None) -> PreparedRun:
     from .checkpoint import check_resume
     from .engines import fill_ds_config, launch_world_size, load_ds_config, model_hidden_size, zero_stage
     from ..model.losses import LossConfig
-    from ..data.plan import PlanConfig, validate_lengths
+    from ..data.plan import PlanConfig, validate_lengths, warn_if_ranks_idle
 
     device_type = get_accelerator().device_name()
     attn = resolve_attn(cfg.attn, device_type)
@@ -149,6 +149,7 @@ def prepare_run(cfg: TrainConfig, world_size: int | None = None) -> PreparedRun:
                         cfg.sequence_parallel_size, prepared.dataset["pair_id"])
     validate_lengths(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg,
                      pair_ids=prepared.dataset["pair_id"])
+    warn_if_ranks_idle(len(prepared.chosen_lengths), plan_cfg)
     resume = check_resume(cfg, prepared.fingerprint, world_size, zero_stage(ds_config))
     return PreparedRun(cfg, attn, device_type, world_size, ds_config, tokenizer, prepared, plan_cfg, loss_cfg, resume)
 
