@@ -173,6 +173,7 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys):
     assert not all(torch.equal(final_sd[k], model.state_dict()[k]) for k in final_sd)  # steps 4-6 did train
 
 
+@pytest.mark.multirank
 def test_front_command_exits_5_when_a_rank_is_killed(tmp_path, monkeypatch, capsys):
     """The deepspeed launcher exits 247 when a rank is SIGKILLed (and stops its peers); ``ds-packdpo train`` 5."""
     tests = Path(__file__).resolve().parent
