@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from .config import check_model_folder
 from .data.prepare import DataConfig, prepare_pairs
 from .data.tokenizer import load_tokenizer
 from .errors import InputError
 from .model.attention import resolve_attn
-from .model.build import TORCH_DTYPES, build_model, check_model_folder
+from .model.build import TORCH_DTYPES, build_model
 from .model.guard import packing_exactness, synthetic_pairs
 
 

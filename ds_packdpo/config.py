@@ -163,12 +163,11 @@ class TrainConfig:
             raise InputError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         if self.model is not None and self.model_config is not None:
             raise InputError("--model and --model-config are exclusive: load a folder or build from a config")
-        for key in ("model", "ref_model", "tokenizer"):
-            path = getattr(self, key)
-            if path is not None and not Path(path).is_dir():
-                raise InputError(f"--{flag(key)} {path}: no such folder")
-            if path is not None and key != "tokenizer" and not (Path(path) / "config.json").is_file():
-                raise InputError(f"--{flag(key)} {path}: no config.json in the folder (not a Hugging Face model folder)")
+        for key in ("model", "ref_model"):
+            if getattr(self, key) is not None:
+                check_model_folder(getattr(self, key), f"--{flag(key)}")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise InputError(f"--tokenizer {self.tokenizer}: no such folder")
         for key in ("save_steps", "save_total_limit"):
             value = getattr(self, key)
             if value is not None and value < 1:
@@ -188,6 +187,15 @@ class TrainConfig:
                 what = ("--loss simpo is reference-free" if self.loss == "simpo"
                         else "--ref-offload needs a reference model")
                 raise InputError(f"--ref-logps {self.ref_logps}: {what}; drop one of them")
+
+
+def check_model_folder(path: str, where: str = "--model") -> Path:
+    """A local Hugging Face model folder (one holding config.json), or InputError naming it."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        reason = "no config.json in the folder" if folder.is_dir() else "no such folder"
+        raise InputError(f"{where} {path}: not a local HF model folder ({reason})")
+    return folder
 
 
 def flag(name: str) -> str:

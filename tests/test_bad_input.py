@@ -153,7 +153,8 @@ BAD_CONFIGS = {
         lambda d: ["--ds-config", _ds_config(d, json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))],
         "'train_batch_size': 16 contradicts the run (2 data-parallel ranks"),
     "DeepSpeed config not JSON": (lambda d: ["--ds-config", _ds_config(d, "{ not json")], "not valid JSON"),
-    "missing model folder": (lambda d: ["--model", str(d / "no_model")], "no_model: no such folder"),
+    "missing model folder": (lambda d: ["--model", str(d / "no_model")],
+                             "no_model: not a local HF model folder (no such folder)"),
     "row budget below max length": (lambda d: ["--max-tokens-per-row", "64"], "--max-tokens-per-row"),
     "resume from a missing checkpoint": (lambda d: ["--resume", str(d / "no_ckpt")], "no such checkpoint folder"),
     "resume from an incompatible checkpoint": (lambda d: ["--resume", _incompatible_checkpoint(d)],
@@ -181,8 +182,9 @@ BAD_CONFIGS = {
     "DeepSpeed unknown scheduler": (
         lambda d: ["--ds-config", _ds_config(d, json.dumps({"scheduler": {"type": "WarmupLRR", "params": {}}}))],
         "'scheduler.type': 'WarmupLRR' is neither a DeepSpeed nor a torch.optim scheduler"),
-    "model folder without config.json": (lambda d: ["--model", str(_folder(d / "not_a_model"))],
-                                         "not_a_model: no config.json in the folder"),
+    "model folder without config.json": (
+        lambda d: ["--model", str(_folder(d / "not_a_model"))],
+        "not_a_model: not a local HF model folder (no config.json in the folder)"),
     "impossible model config": (lambda d: ["--model-config", _model_config(d, hidden_size=-4)],
                                 "cannot build a model from it (Trying to create tensor with negative dimension -4"),
     "model config transformers refuses": (lambda d: ["--model-config", _model_config(d, hidden_size=66)],

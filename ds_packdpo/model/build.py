@@ -12,6 +12,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from ..config import check_model_folder
 from ..errors import InputError, first_line
 
 TINY_CONFIGS = {"tiny": "llama", "tiny-qwen2": "qwen2"}
@@ -59,15 +60,6 @@ def _check_vocab(config, vocab_size: int, where: str) -> None:
     if model_vocab is not None and model_vocab < vocab_size:
         raise InputError(f"{where}: vocab_size {model_vocab} is smaller than the tokenizer's {vocab_size} tokens "
                          f"(use the model's own tokenizer or a config with vocab_size >= {vocab_size})")
-
-
-def check_model_folder(model: str) -> Path:
-    """``--model`` as a local HF folder (one with a config.json), or InputError naming it."""
-    folder = Path(model)
-    if not (folder / "config.json").is_file():
-        reason = "no config.json in the folder" if folder.is_dir() else "no such folder"
-        raise InputError(f"--model {model}: not a local HF model folder ({reason})")
-    return folder
 
 
 def build_model(model: str | None, model_config: str | None, vocab_size: int, dtype: torch.dtype, attn: str,
