@@ -132,11 +132,11 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
         optimizer.setdefault("params", {}).setdefault("torch_adam", True)
     if optimizer and optimizer.get("type", "").lower() not in ("adam", "adamw", "lamb", "onebitadam", "lion"):
         ds.setdefault("zero_allow_untested_optimizer", True)
-    validate_ds_config(ds, source, dp_world_size)
+    validate_ds_config(ds, source)
     return ds
 
 
-def validate_ds_config(ds: dict, source: str, dp_world_size: int) -> None:
+def validate_ds_config(ds: dict, source: str) -> None:
     """What DeepSpeed itself would refuse in every rank (its pydantic config models, its optimizer and scheduler
     names), refused here in one line naming the key, before any process group starts."""
     import torch
@@ -152,11 +152,11 @@ def validate_ds_config(ds: dict, source: str, dp_world_size: int) -> None:
         if name is not None and not (isinstance(name, str) and known(name)):
             raise InputError(f"--ds-config {source}: '{section}.type': {name!r} is neither a DeepSpeed nor a "
                              f"torch.optim {section}")
-    # Before any process group DeepSpeed counts one rank; the batch keys are ours (checked above) and pinned to
-    # one row per rank, so it is shown the batch of one rank.
-    one_rank = {**ds, "train_batch_size": ds["train_batch_size"] // dp_world_size}
+    # train_batch_size is ours (checked above); DeepSpeed derives it from the per-rank keys for the world it sees:
+    # one rank before the process group, the whole world once it exists (bench and precompute-ref get here then).
+    per_rank = {k: v for k, v in ds.items() if k != "train_batch_size"}
     try:
-        DeepSpeedConfig(one_rank)
+        DeepSpeedConfig(per_rank)
     except ValidationError as error:
         detail = error.errors()[0]
         section = _SECTION_OF_MODEL.get(error.title, error.title)
