@@ -15,7 +15,7 @@ from ds_packdpo.run.build_lock import MIN_AGE_S, STALE_AFTER_S, remove_stale_loc
 
 def make_lock(root: Path, relative: str, age_s: float) -> Path:
     lock = root / relative / "lock"
-    lock.parent.mkdir(parents=True)
+    lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
     past = time.time() - age_s
     os.utime(lock, (past, past))
@@ -90,3 +90,32 @@ def test_a_lock_open_in_another_process_is_held(tmp_path):
         holder.kill()
         holder.wait()
     assert remove_stale_locks(tmp_path) == [lock]
+
+
+@pytest.mark.multirank
+def test_a_rank_with_a_stale_lock_of_the_comm_extension_trains(tmp_path):
+    """A real rank whose DeepSpeed comm extension lock was left by a killed build: it warns, and trains.
+
+    Without the removal, ``deepspeed.init_distributed`` waits for the lock forever.  The extension is
+    copied (with its timestamps, so ninja has nothing to rebuild) from this venv's build folder, which
+    the first run of the suite fills (a fresh build takes minutes on 2 shared cores).
+    """
+    import shutil
+
+    from launching import SMALL_RUN, cpu_env, rank_module, read_metrics, run
+
+    from ds_packdpo.run.build_lock import venv_extensions_dir
+
+    built = Path(venv_extensions_dir() or "") / "deepspeed_shm_comm"
+    if not (built / "deepspeed_shm_comm.so").is_file():
+        pytest.skip(f"{built} is not built yet (any earlier run of the suite builds it)")
+    extensions = tmp_path / "ext"
+    shutil.copytree(built, extensions / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock"))
+    lock = make_lock(extensions, "deepspeed_shm_comm", 3600)
+    out = tmp_path / "out"
+    proc = run(rank_module("ds_packdpo.train", "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"),
+                           *SMALL_RUN, "--max-steps", "1"),
+               timeout=300, env=cpu_env(TORCH_EXTENSIONS_DIR=str(extensions)))
+    assert f"warning: removed the stale torch extension build lock {lock}" in proc.stderr
+    assert not lock.exists()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
