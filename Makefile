@@ -1,6 +1,8 @@
 # Two commands do all the set-up: `make demo` and `make test` (both create .venv).
 PY := .venv/bin/python
 export DS_ACCELERATOR ?= cpu
+# torch's JIT extensions (DeepSpeed's CPU comm op) per venv: the shared default makes checkouts rebuild for each other
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
 .PHONY: install demo test
 install: .venv/.installed

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +24,9 @@ from .data.plan import iter_plan, pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
 from .data.run_plan import checked_plan_config
 from .data.source import prepare_run_data, tokenizer_and_rows
-from .errors import InputError, run_guarded
+from .errors import InputError, PeerFailureError, run_guarded
+from .files import check_output_file
+from .run.build_lock import remove_stale_locks
 from .run.layout import ParallelLayout
 
 # The commands that run a model import DeepSpeed and the model stack (seconds, and DeepSpeed probes the
@@ -45,7 +48,28 @@ def _launch(argv: list[str], procs: int, master_port: int | None, module: str) -
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port or free_port()),
            "--module", module, *argv]
-    return subprocess.call(cmd, env=env)
+    return launcher_status(subprocess.call(cmd, env=env))
+
+
+def launcher_status(code: int) -> int:
+    """Our exit code for the deepspeed launcher's ``code``.
+
+    The launcher exits with the status of the first rank that failed and stops the
+    others: a rank's own code (2 bad input, 4, 5 ...) comes through unchanged, but a
+    rank killed by signal N (OOM killer, SIGKILL) shows as ``256 - N`` (Python's
+    ``sys.exit(-N)``; 247 for SIGKILL).  That is a dead peer of the run: exit 5, as
+    its survivors would have.
+    """
+    try:
+        killed_by = signal.Signals(256 - code) if 128 < code < 256 else None
+    except ValueError:
+        killed_by = None
+    if killed_by is None:
+        return code
+    print(f"error: a rank was killed by {killed_by.name} (the deepspeed launcher exited {code}) and the launcher "
+          f"stopped the others; relaunch with --resume auto to continue from the last complete checkpoint",
+          file=sys.stderr)
+    return PeerFailureError.exit_code
 
 
 def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -54,13 +78,20 @@ def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_prepare(argv: list[str]) -> int:
+def prepare_parser() -> argparse.ArgumentParser:
     parser = _data_parser("ds-packdpo prepare", "Tokenize and validate a preference dataset; print a JSON summary.")
-    parser.add_argument("--out", default=None, help="Write the tokenized pairs as JSON lines.")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default=None, help="Write the tokenized pairs as JSON lines (an existing file only "
+                        "with --overwrite).")
+    return parser
+
+
+def cmd_prepare(argv: list[str]) -> int:
+    args = prepare_parser().parse_args(argv)
 
     def job() -> int:
         cfg = config_from_args(args)
+        if args.out:
+            check_output_file(args.out, "--out", overwrite=cfg.overwrite)
         tokenizer, rows = tokenizer_and_rows(cfg)
         if args.out:
             summary = run_prepare(cfg.data_config(), tokenizer, args.out, rows=rows)
@@ -73,18 +104,24 @@ def cmd_prepare(argv: list[str]) -> int:
     return run_guarded(job)
 
 
-def cmd_pack_stats(argv: list[str]) -> int:
+def pack_stats_parser() -> argparse.ArgumentParser:
     parser = _data_parser("ds-packdpo pack-stats", "Plan only (no model): packing and balance figures as JSON, "
                           "exactly as training would plan them.")
     parser.add_argument("--world-size", type=int, default=1,
                         help="Ranks to plan for (data-parallel ranks x --sequence-parallel-size).")
     parser.add_argument("--plan-out", default=None, help="Write one JSON line per (step, data-parallel rank, row).")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_pack_stats(argv: list[str]) -> int:
+    args = pack_stats_parser().parse_args(argv)
 
     def job() -> int:
         cfg = config_from_args(args)
         if args.world_size < 1:
             raise InputError(f"--world-size must be >= 1, got {args.world_size}")
+        if args.plan_out:
+            check_output_file(args.plan_out, "--plan-out", overwrite=True)  # the plan is derived data
         layout = ParallelLayout(world_size=args.world_size, sp_size=cfg.sequence_parallel_size)
         tokenizer, rows = tokenizer_and_rows(cfg)
         prepared = prepare_run_data(cfg, tokenizer, rows)
@@ -101,7 +138,7 @@ def cmd_pack_stats(argv: list[str]) -> int:
     return run_guarded(job)
 
 
-def cmd_check(argv: list[str]) -> int:
+def check_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-packdpo check",
                                      description="Packed vs one-sequence-at-a-time log-probs of a real model.")
     parser.add_argument("--model", required=True)
@@ -111,7 +148,11 @@ def cmd_check(argv: list[str]) -> int:
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--trust-remote-code", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_check(argv: list[str]) -> int:
+    args = check_parser().parse_args(argv)
 
     def job() -> int:
         from .check import run_check
@@ -133,7 +174,7 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
     pre.add_argument("--num-procs", type=int, default=None)
     pre.add_argument("--master-port", type=int, default=None)
     launch, rest = pre.parse_known_args(argv)
-    procs = launch.num_procs or _default_procs()
+    procs = _default_procs() if launch.num_procs is None else launch.num_procs
     _cpu_unless_cuda()
 
     def check() -> int:
@@ -141,6 +182,7 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
         if procs < 1:
             raise InputError(f"--num-procs must be >= 1, got {procs}")
         validate(rest, procs)
+        remove_stale_locks()  # a stale one would hang every rank in init_distributed, with no output
         return 0
 
     code = run_guarded(check)
@@ -186,7 +228,7 @@ def cmd_precompute_ref(argv: list[str]) -> int:
     return _distributed_command(argv, "ds_packdpo.precompute_ref", rank_main, validate)
 
 
-def cmd_export(argv: list[str]) -> int:
+def export_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-packdpo export",
                                      description="A training checkpoint as a Hugging Face folder (safetensors).")
     parser.add_argument("--checkpoint", required=True, help="A checkpoint folder, or a --save-dir (its 'latest').")
@@ -194,7 +236,11 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="Default: the training dtype.")
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out folder.")
     parser.add_argument("--trust-remote-code", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_export(argv: list[str]) -> int:
+    args = export_parser().parse_args(argv)
 
     def job() -> int:
         from .run.export import export_checkpoint
@@ -216,13 +262,17 @@ def cmd_bench(argv: list[str]) -> int:
     return _distributed_command(argv, "ds_packdpo.bench", rank_main, validate)
 
 
-def cmd_report(argv: list[str]) -> int:
+def report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-packdpo report",
                                      description="Merge bench folders into one comparison report.")
     parser.add_argument("folders", nargs="+", help="Bench folders (each holding report.json).")
     parser.add_argument("--out", required=True, help="Folder of the comparison (merged.json, report.md, PNG).")
     parser.add_argument("--overwrite", action="store_true", help="Replace --out if it exists.")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_report(argv: list[str]) -> int:
+    args = report_parser().parse_args(argv)
 
     def job() -> int:
         from .report import merge_reports, write_merged
@@ -241,6 +291,8 @@ COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_s
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"ds-packdpo: unknown command {argv[0]!r}", file=sys.stderr)
         names = ", ".join(COMMANDS)
         print(f"usage: ds-packdpo {{{names}}} [flags]   (ds-packdpo COMMAND --help for the flags)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -10,6 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .errors import InputError
+
 
 def atomic_write(path, write: Callable[[str], object]) -> None:
     """``write(temporary_path)`` beside ``path``, then a rename: a crash leaves the old file or none, never half."""
@@ -22,3 +24,14 @@ def atomic_write(path, write: Callable[[str], object]) -> None:
     except BaseException:
         os.unlink(handle.name)
         raise
+
+
+def check_output_file(path, flag: str, overwrite: bool) -> None:
+    """An output file's path, checked before any work: not a folder, in a folder, no silent overwrite."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{flag} {path}: is a folder; give the file to write")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise InputError(f"{flag} {path}: {path.parent} is not a folder")
+    if path.exists() and not overwrite:
+        raise InputError(f"{flag} {path}: file exists (pass --overwrite to replace it)")

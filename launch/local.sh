@@ -9,6 +9,7 @@
 #   MASTER_PORT  rendezvous port (default: a port that is free right now, so two jobs on one node never collide)
 # Every argument is handed to the trainer unchanged.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 if [[ -z "${MASTER_PORT:-}" ]]; then
     MASTER_PORT=$(python -c 'from ds_packdpo.cli import free_port; print(free_port())')

@@ -15,6 +15,7 @@
 #   --master_port PORT   [MASTER_PORT]  rendezvous port (default: a free port on one node, 29500 with a hostfile)
 # Options stop at "--" or at the first other argument; everything after goes to the trainer unchanged.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 die() { echo "launch/mpirun.sh: $*" >&2; exit 2; }
 
@@ -66,7 +67,7 @@ if [[ -n "$master_addr" ]]; then
     export MASTER_ADDR=$master_addr
     mpi_args+=(-x MASTER_ADDR)
 fi
-for var in PYTHONPATH LD_LIBRARY_PATH DS_ACCELERATOR CUDA_VISIBLE_DEVICES HF_HOME; do
+for var in PYTHONPATH LD_LIBRARY_PATH DS_ACCELERATOR CUDA_VISIBLE_DEVICES HF_HOME TORCH_EXTENSIONS_DIR; do
     if [[ -n "${!var:-}" ]]; then
         mpi_args+=(-x "$var")
     fi

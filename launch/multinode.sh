@@ -22,6 +22,7 @@
 #   --ssh_port PORT      [SSH_PORT]     ssh port of the other nodes
 # Launcher options stop at "--" or at the first other argument; everything after goes to the trainer unchanged.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 die() { echo "launch/multinode.sh: $*" >&2; exit 2; }
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ds_packdpo.cli import free_port
+from ds_packdpo.run.build_lock import venv_extensions_dir
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -31,7 +32,8 @@ def cpu_env(**extra: str) -> dict:
     """The environment of a CPU run of this checkout (its ds_packdpo first on the path, the venv's tools on PATH)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     tools = os.pathsep.join(p for p in (str(BIN), os.environ.get("PATH")) if p)
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": path, "PATH": tools, **extra}
+    extensions = {"TORCH_EXTENSIONS_DIR": venv_extensions_dir()} if venv_extensions_dir() else {}
+    return {**extensions, **os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": path, "PATH": tools, **extra}
 
 
 def _failure(cmd: list[str], code: int, output: str) -> str:

@@ -101,7 +101,8 @@ def _binary(tmp_path: Path, suffix: str) -> Path:
 
 BAD_FILES = {
     "empty file": (lambda d: _written(d / "empty.json", ""), "the file is empty"),
-    "truncated JSON": (_truncated, "row 3: not valid JSON, truncated or malformed"),
+    "truncated JSON": (_truncated, "row 3: not valid JSON, truncated or malformed (Unterminated string starting "
+                                   "at: line "),
     "wrong column names": (lambda d: _written(d / "cols.json", json.dumps([{"question": "q", "answer": "a"}])),
                            "columns found ['answer', 'question']; expected ['prompt', 'chosen', 'rejected']"),
     "binary garbage json": (lambda d: _binary(d, ".json"), "binary content (NUL bytes), not a JSON text file"),
@@ -152,7 +153,8 @@ BAD_CONFIGS = {
         lambda d: ["--ds-config", _ds_config(d, json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))],
         "'train_batch_size': 16 contradicts the run (2 data-parallel ranks"),
     "DeepSpeed config not JSON": (lambda d: ["--ds-config", _ds_config(d, "{ not json")], "not valid JSON"),
-    "missing model folder": (lambda d: ["--model", str(d / "no_model")], "no_model: no such folder"),
+    "missing model folder": (lambda d: ["--model", str(d / "no_model")],
+                             "no_model: not a local HF model folder (no such folder)"),
     "row budget below max length": (lambda d: ["--max-tokens-per-row", "64"], "--max-tokens-per-row"),
     "resume from a missing checkpoint": (lambda d: ["--resume", str(d / "no_ckpt")], "no such checkpoint folder"),
     "resume from an incompatible checkpoint": (lambda d: ["--resume", _incompatible_checkpoint(d)],
@@ -161,7 +163,48 @@ BAD_CONFIGS = {
         lambda d: ["--resume", str(fake_checkpoint(d / "ckpt" / "global_step6", 2, 1))],
         "global_step6: incomplete checkpoint (missing rng_rank1.pt"),
     "limit without saving": (lambda d: ["--save-total-limit", "2"], "--save-total-limit needs --save-steps"),
+    "lr nan": (lambda d: ["--lr", "nan"], "--lr must be a finite number, got nan"),
+    "lr inf": (lambda d: ["--lr", "inf"], "--lr must be a finite number, got inf"),
+    "lr nan in the config file": (lambda d: ["--config", _config_file(d, '{"lr": NaN}')],
+                                  "--lr must be a finite number, got nan"),
+    "negative weight decay": (lambda d: ["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
+    "negative max grad norm": (lambda d: ["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0, got -1.0"),
+    "negative warm-up": (lambda d: ["--warmup-steps", "-3"], "--warmup-steps must be >= 0, got -3"),
+    "zero ranks": (lambda d: ["--num-procs", "0"], "--num-procs must be >= 1, got 0"),
+    "DeepSpeed stage 7": (lambda d: ["--ds-config", _ds_config(d, json.dumps({"zero_optimization": {"stage": 7}}))],
+                          "ds.json: 'zero_optimization.stage': Input should be 0, 1, 2, 3"),
+    "DeepSpeed unknown ZeRO key": (
+        lambda d: ["--ds-config", _ds_config(d, json.dumps({"zero_optimization": {"stage": 3, "overlap_com": True}}))],
+        "'zero_optimization.overlap_com': Extra inputs are not permitted, got True"),
+    "DeepSpeed unknown optimizer": (
+        lambda d: ["--ds-config", _ds_config(d, json.dumps({"optimizer": {"type": "AdamQ", "params": {"lr": 1e-3}}}))],
+        "'optimizer.type': 'AdamQ' is neither a DeepSpeed nor a torch.optim optimizer"),
+    "DeepSpeed unknown scheduler": (
+        lambda d: ["--ds-config", _ds_config(d, json.dumps({"scheduler": {"type": "WarmupLRR", "params": {}}}))],
+        "'scheduler.type': 'WarmupLRR' is neither a DeepSpeed nor a torch.optim scheduler"),
+    "model folder without config.json": (
+        lambda d: ["--model", str(_folder(d / "not_a_model"))],
+        "not_a_model: not a local HF model folder (no config.json in the folder)"),
+    "impossible model config": (lambda d: ["--model-config", _model_config(d, hidden_size=-4)],
+                                "cannot build a model from it (Trying to create tensor with negative dimension -4"),
+    "model config transformers refuses": (lambda d: ["--model-config", _model_config(d, hidden_size=66)],
+                                          "model.json: unreadable model config"),
+    "precomputed reference without its fingerprint": (lambda d: ["--ref-logps", str(_written(d / "ref.jsonl", ""))],
+                                                      "ref.jsonl: no fingerprint file ref.jsonl.meta.json beside it"),
 }
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _model_config(folder: Path, **overrides) -> str:
+    from ds_packdpo.model.build import tiny_config
+
+    config = {**tiny_config(vocab_size=4096).to_dict(), **overrides}
+    (folder / "model.json").write_text(json.dumps(config))
+    return str(folder / "model.json")
 
 
 @pytest.mark.parametrize("case", list(BAD_CONFIGS), ids=list(BAD_CONFIGS))
@@ -200,3 +243,83 @@ def test_real_command_lines(entry, tmp_path, out_dir, tokenizer_dir):
         assert_one_line_error(proc.returncode, proc.stderr, expected)
         assert "launch.py" not in proc.stderr and "init_distributed" not in proc.stderr
     assert snapshot(out_dir) == before
+
+
+def test_precomputed_reference_of_another_dataset_is_refused_before_launch(tmp_path, out_dir, tokenizer_dir,
+                                                                           train_front):
+    """--ref-logps is checked in the front command's phase one (not first in every rank after the launch)."""
+    from ds_packdpo.config import parse_train_args
+    from ds_packdpo.run.reference import meta_path, reference_fingerprint
+    from ds_packdpo.run.trainer import prepare_run
+
+    ref = _written(tmp_path / "ref.jsonl", "")
+    run_ = prepare_run(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--ref-logps", str(ref)]),
+                       world_size=2)
+    stored = {**reference_fingerprint(run_), "dataset": "0" * 32}  # this run's, but of other data
+    meta_path(ref).write_text(json.dumps({"fingerprint": stored, "info": {}}))
+    train_front("--ref-logps", str(ref), parts=(f"--ref-logps {ref}: computed for a different dataset than this run",))
+
+
+# ----------------------------------------------------------------------------- output paths of prepare and pack-stats
+def data_flags(tmp_path: Path, tokenizer_dir: Path) -> list[str]:
+    return ["--cache-dir", str(tmp_path / "cache"), "--tokenizer", str(tokenizer_dir), "--max-length", "128",
+            "--synthetic-pairs", "16"]
+
+
+@pytest.mark.parametrize("command, flag", [("prepare", "--out"), ("pack-stats", "--plan-out")])
+def test_output_file_that_is_a_folder(command, flag, tmp_path, out_dir, tokenizer_dir, capsys):
+    before = snapshot(out_dir)
+    code = cli.main([command, *data_flags(tmp_path, tokenizer_dir), flag, str(out_dir)])
+    assert_one_line_error(code, capsys.readouterr().err, f"{flag} {out_dir}: is a folder; give the file to write")
+    assert snapshot(out_dir) == before
+
+
+def test_prepare_replaces_an_existing_file_only_with_overwrite(tmp_path, tokenizer_dir, capsys):
+    out = _written(tmp_path / "pairs.jsonl", "earlier pairs\n")
+    code = cli.main(["prepare", *data_flags(tmp_path, tokenizer_dir), "--out", str(out)])
+    assert_one_line_error(code, capsys.readouterr().err, f"--out {out}: file exists (pass --overwrite to replace it)")
+    assert out.read_text() == "earlier pairs\n"
+    assert cli.main(["prepare", *data_flags(tmp_path, tokenizer_dir), "--out", str(out), "--overwrite"]) == 0
+    assert json.loads(capsys.readouterr().out)["output"] == str(out)
+    assert len(out.read_text().splitlines()) == 16 and "pair_id" in out.read_text()
+
+
+# ----------------------------------------------------------------------------- wording
+def test_unknown_command_is_named(capsys):
+    assert cli.main(["trian", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "ds-packdpo: unknown command 'trian'"
+    assert "usage: ds-packdpo {train, prepare" in err
+
+
+def test_check_blames_the_missing_model_folder_not_the_tokenizer(tmp_path, capsys):
+    missing = tmp_path / "no_model"
+    code = cli.main(["check", "--model", str(missing)])
+    assert_one_line_error(code, capsys.readouterr().err, f"--model {missing}: not a local HF model folder (no such folder)")
+
+
+def test_export_names_the_unreadable_shard(tmp_path, out_dir, demo_tokenizer, capsys):
+    """A damaged ZeRO shard (placeholder bytes, not a torch archive): its file named, not an UnpicklingError."""
+    from ds_packdpo.model.build import tiny_config
+
+    tag = fake_checkpoint(tmp_path / "ckpt" / "global_step3", 1, 1, dtype="fp32",
+                          position={"epoch": 0, "epoch_step": 3, "global_step": 3})
+    tiny_config(vocab_size=len(demo_tokenizer)).save_pretrained(tag / "hf")
+    demo_tokenizer.save_pretrained(tag / "hf")
+    before = snapshot(out_dir)
+    code = cli.main(["export", "--checkpoint", str(tag), "--out", str(out_dir), "--overwrite"])
+    assert_one_line_error(code, capsys.readouterr().err,  # zero_to_fp32 reads the model states first
+                          f"--checkpoint {tag}: zero_pp_rank_0_mp_rank_00_model_states.pt is unreadable (corrupt or "
+                          "truncated: ")
+    assert snapshot(out_dir) == before
+
+
+def test_train_phase_one_warns_when_ranks_idle(tmp_path, out_dir, tokenizer_dir):
+    """Not an error, but said before the launch: 1 pair per step on 2 ranks leaves one rank idle."""
+    from ds_packdpo.config import parse_train_args
+    from ds_packdpo.run.trainer import prepare_run
+
+    with pytest.warns(UserWarning, match="1 pairs per step for 2 data-parallel ranks: 1 ranks get no pair .* at most "
+                                         "50% of the ranks' compute"):
+        prepare_run(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--global-batch-pairs", "1"]),
+                    world_size=2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -115,12 +116,12 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys):
     node0, node1 = two_node_launch(tmp_path, "ds_packdpo.train",
                                    *flags(tmp_path, "killed", "--save-steps", "3", "--collective-timeout-s", str(timeout)),
                                    env=cpu_env(DS_PACKDPO_FAULT_KILL="1:5"))
-    assert node1.wait(timeout=600) != 0
+    assert node1.wait(timeout=600) == 256 - 9  # the launcher of the killed rank: Python's sys.exit(-SIGKILL)
     dead = time.monotonic()
     code0 = node0.wait(timeout=timeout + 30)
     survivor_seconds = time.monotonic() - dead
     log0 = (tmp_path / "node0.log").read_text()
-    assert code0 != 0 and survivor_seconds < timeout, (code0, survivor_seconds, log0[-3000:])
+    assert code0 == 5 and survivor_seconds < timeout, (code0, survivor_seconds, log0[-3000:])  # PeerFailureError
     assert "error: rank 0: a collective failed after step 4: another rank died or stalled longer than " \
            f"--collective-timeout-s {timeout}; relaunch with --resume auto" in log0
     assert (killed / "checkpoints" / LATEST).read_text() == "global_step3"
@@ -166,6 +167,21 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys):
     assert final_sd.keys() == half_sd.keys()
     assert all(torch.equal(final_sd[k].to(torch.bfloat16), half_sd[k]) for k in final_sd)
     assert not all(torch.equal(final_sd[k], model.state_dict()[k]) for k in final_sd)  # steps 4-6 did train
+
+
+@pytest.mark.multirank
+def test_front_command_exits_5_when_a_rank_is_killed(tmp_path, monkeypatch, capsys):
+    """The deepspeed launcher exits 247 when a rank is SIGKILLed (and stops its peers); ``ds-packdpo train`` 5."""
+    tests = Path(__file__).resolve().parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    started = time.monotonic()
+    assert cli._launch([], 2, free_port(), "killed_rank") == 5  # tests/killed_rank.py: rank 1 kills itself
+    assert time.monotonic() - started < 60  # rank 0 (asleep for 120 s) was stopped by the launcher
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: a rank was killed by SIGKILL (the deepspeed launcher exited 247) and the launcher stopped the "
+        "others; relaunch with --resume auto to continue from the last complete checkpoint")
+    assert [cli.launcher_status(code) for code in (0, 1, 2, 4, 5)] == [0, 1, 2, 4, 5]  # a rank's own code
 
 
 def fake_checkpoint(tag_dir: Path, world_size: int, ranks_written: int, **state) -> Path:

@@ -291,6 +291,10 @@ BAD_ROWS = {
         rows_in("conversational"), 0, conv([{"role": "user", "content": "q"}], chosen=[{"role": "user", "content": "c"}]),
         "row 0: chosen[0] has role 'user'",
     ),
+    "sharegpt completion from the human": (  # the role as the file spells it, not the chat role it maps to
+        rows_in("sharegpt"), 1, share([{"from": "human", "value": "q"}], chosen={"from": "human", "value": "c"}),
+        "row 1: chosen[0] has role 'human'; a completion is assistant messages",
+    ),
     "sharegpt completion not one message": (
         rows_in("sharegpt"), 1, share([{"from": "human", "value": "q"}], chosen=[{"from": "gpt", "value": "c"}]),
         "row 1: field 'chosen' must be one {from, value} message, got a list",
@@ -414,6 +418,25 @@ def test_identical_chosen_and_rejected_warns_and_is_kept(dataset_writer, demo_to
         prepared = prepare_pairs(DataConfig(str(dataset_writer(rows, "json")), cache_dir=cache_dir), demo_tokenizer)
     assert prepared.summary["identical_chosen_rejected"] == 1
     assert prepared.summary["kept"] == 3
+
+
+def test_duplicate_pairs_and_prompts_ending_with_the_assistant_are_counted_and_warned(dataset_writer, demo_tokenizer,
+                                                                                    cache_dir):
+    rows = rows_in("conversational")
+    rows.append(json.loads(json.dumps(rows[0])))  # an exact repeat
+    rows[1]["prompt"] = rows[1]["prompt"] + assistant("And a follow-up.")  # the split is one turn late
+    path = dataset_writer(rows, "jsonl")
+    with pytest.warns(UserWarning) as caught:
+        prepared = prepare_pairs(DataConfig(str(path), cache_dir=cache_dir), demo_tokenizer)
+    messages = [str(w.message) for w in caught]
+    assert f"{path}: 1 pairs repeat an earlier pair exactly (prompt, chosen and rejected); kept, so those pairs " \
+           "weigh double" in messages
+    assert any(m.startswith(f"{path}: 1 prompts end with an assistant turn") for m in messages)
+    assert (prepared.summary["duplicate_pairs"], prepared.summary["prompt_ends_with_assistant"]) == (1, 1)
+    assert prepared.summary["kept"] == len(rows)
+    clean = prepare_pairs(DataConfig(str(dataset_writer(rows_in("conversational"), "jsonl", "clean")),
+                                     cache_dir=cache_dir), demo_tokenizer)
+    assert (clean.summary["duplicate_pairs"], clean.summary["prompt_ends_with_assistant"]) == (0, 0)
 
 
 def test_data_config_rejects_bad_settings():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -331,3 +332,28 @@ def test_sparse_karmarkar_karp_matches_the_textbook_method(costs, k):
     subsets = _karmarkar_karp([float(c) for c in costs], k)
     assert len(subsets) == k and sorted(i for s in subsets for i in s) == list(range(len(costs)))
     assert sorted(float(sum(costs[i] for i in s)) for s in subsets) == textbook_karmarkar_karp_sums(costs, k)
+
+
+def test_fewer_pairs_per_step_than_ranks_warns_by_how_much():
+    from ds_packdpo.data.plan import warn_if_ranks_idle
+
+    with pytest.warns(UserWarning, match=r"^2 pairs per step for 8 data-parallel ranks: 6 ranks get no pair and run a "
+                                         r"dummy row, so at most 25% of the ranks' compute is real work"):
+        assert warn_if_ranks_idle(100, PlanConfig(max_tokens_per_row=64, world_size=8, global_batch_pairs=2)) == 0.25
+    with pytest.warns(UserWarning, match=r"^3 pairs per step for 4"):  # the whole data set is one short step
+        assert warn_if_ranks_idle(3, PlanConfig(max_tokens_per_row=64, world_size=4, global_batch_pairs=64)) == 0.75
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_if_ranks_idle(100, PlanConfig(max_tokens_per_row=64, world_size=8, global_batch_pairs=8)) is None
+        assert warn_if_ranks_idle(100, PlanConfig(max_tokens_per_row=64, world_size=8, global_batch_pairs=None,
+                                                  tokens_per_step=64)) is None
+
+
+def test_pack_stats_warns_when_ranks_idle(tmp_path, capsys):
+    from ds_packdpo import cli
+
+    with pytest.warns(UserWarning, match="2 pairs per step for 4 data-parallel ranks: 2 ranks get no pair"):
+        assert cli.main(["pack-stats", "--world-size", "4", "--global-batch-pairs", "2", "--synthetic-pairs", "16",
+                         "--max-length", "128", "--cache-dir", str(tmp_path / "cache")]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["world_size"] == 4 and stats["dummy_rows"] > 0  # the idle ranks' dummy rows

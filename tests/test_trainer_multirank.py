@@ -43,6 +43,7 @@ def test_trajectory_independent_of_layout(tmp_path):
     assert max(r["rows_per_rank"] for r in layouts["w2_small_rows"]) > max(r["rows_per_rank"] for r in layouts["w2_packed"])
     padded = layouts["w2_padded"]
     assert all(r["computed_tokens"] >= r["tokens"] for r in padded)
+    assert any(r["computed_tokens"] > r["tokens"] for r in padded)  # --no-packing really ran padded micro-batches
     assert all(r["computed_tokens"] == r["tokens"] for r in layouts["w2_packed"])
     for key in ("step", "epoch", "loss", "grad_norm", "lr", "pairs", "tokens", "tokens_per_s", "rewards/chosen",
                 "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",

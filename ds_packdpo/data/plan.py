@@ -30,6 +30,7 @@ import heapq
 import json
 import math
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from operator import itemgetter
@@ -192,6 +193,22 @@ def step_compositions(chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: 
         done = int(reached[min(end, order.size) - 1])
         start = end
     return steps
+
+
+def warn_if_ranks_idle(num_pairs: int, cfg: PlanConfig) -> float | None:
+    """Warns (once, on stderr) when a step has fewer pairs than data-parallel ranks: the ranks without a pair run a
+    1-token dummy row in lock-step with the others, so at most pairs/ranks of the hardware does real work.
+    Returns that fraction, or None when every rank gets a pair."""
+    if cfg.global_batch_pairs is None:  # --tokens-per-step: pairs per step vary; pack-stats shows the balance
+        return None
+    pairs = min(cfg.global_batch_pairs, num_pairs)
+    if pairs >= cfg.world_size:
+        return None
+    share = pairs / cfg.world_size
+    warnings.warn(f"{pairs} pairs per step for {cfg.world_size} data-parallel ranks: {cfg.world_size - pairs} ranks "
+                  f"get no pair and run a dummy row, so at most {share:.0%} of the ranks' compute is real work "
+                  f"(raise --global-batch-pairs to at least {cfg.world_size}, or use fewer ranks)", stacklevel=2)
+    return share
 
 
 def steps_per_epoch(chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: int = 0) -> int:

@@ -43,6 +43,7 @@ ON_BAD_ROW = ("error", "skip")
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
 CHAT_ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+SHAREGPT_SPELLING = {chat: source for source, chat in SHAREGPT_ROLES.items()}  # errors name roles as the file does
 # Part of every fingerprint: bump it when tokenization or truncation rules change,
 # so caches and precomputed reference log-probs of the old rules are not reused.
 DATA_VERSION = 1
@@ -151,7 +152,8 @@ def _json_array_rows(text: str, start: int, label: str) -> list:
             value, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
             where = _position(text, exc.pos)
-            message = f"{label} row {len(rows)}: not valid JSON, truncated or malformed ({exc.msg} at {where})"
+            # as json itself words it: "<msg>: line L column C" (its msg may end in "at": "... starting at")
+            message = f"{label} row {len(rows)}: not valid JSON, truncated or malformed ({exc.msg}: {where})"
             raise InputError(message) from None
         rows.append(value)
         pos = _WHITESPACE.match(text, pos).end()
@@ -179,7 +181,7 @@ def _json_lines_rows(text: str) -> list[tuple[str, object]]:
         try:
             records.append((where, json.loads(line)))
         except json.JSONDecodeError as exc:
-            problem = _BadRow("unreadable_json_line", f"not valid JSON ({exc.msg} at column {exc.colno})")
+            problem = _BadRow("unreadable_json_line", f"not valid JSON ({exc.msg}: column {exc.colno})")
             records.append((where, problem))
     return records
 
@@ -314,10 +316,12 @@ def _messages(value, key: str, role_key="role", content_key="content", roles=Non
     return messages
 
 
-def _completion(messages: list[dict], key: str) -> list[dict]:
+def _completion(messages: list[dict], key: str, spelling: dict | None = None) -> list[dict]:
+    """``messages`` as a completion (assistant turns only); ``spelling`` maps chat roles back to the file's names."""
     for j, message in enumerate(messages):
         if message["role"] != "assistant":
-            detail = f"{key}[{j}] has role '{message['role']}'; a completion is assistant messages"
+            role = (spelling or {}).get(message["role"], message["role"])
+            detail = f"{key}[{j}] has role '{role}'; a completion is assistant messages"
             raise _BadRow("completion_not_assistant", detail)
     if not "".join(m["content"] for m in messages).strip():
         raise _BadRow("empty_completion", f"field '{key}' is an empty completion")
@@ -370,7 +374,7 @@ def _normalize_row(row, fmt: str, cfg: DataConfig) -> dict:
         if not isinstance(value, dict):
             detail = f"field '{key}' must be one {{from, value}} message, got {_kind(value)}"
             raise _BadRow("malformed_messages", detail)
-        completions.append(_completion(_messages([value], key, **sharegpt), key))
+        completions.append(_completion(_messages([value], key, **sharegpt), key, SHAREGPT_SPELLING))
     return {"prompt": prompt, "chosen": completions[0], "rejected": completions[1]}
 
 
@@ -520,6 +524,16 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
             f"{label}: {identical} pairs have identical chosen and rejected completions; kept, but they teach nothing",
             stacklevel=2,
         )
+    distinct = {json.dumps([row["prompt"], row["chosen"], row["rejected"]], sort_keys=True) for row in normalized}
+    duplicates = len(normalized) - len(distinct)
+    if duplicates:
+        warnings.warn(f"{label}: {duplicates} pairs repeat an earlier pair exactly (prompt, chosen and rejected); "
+                      f"kept, so those pairs weigh double", stacklevel=2)
+    assistant_last = sum(isinstance(row["prompt"], list) and row["prompt"][-1]["role"] == "assistant"
+                         for row in normalized)
+    if assistant_last:
+        warnings.warn(f"{label}: {assistant_last} prompts end with an assistant turn, so the completion answers the "
+                      f"assistant, not the user (a prompt/completion split in the wrong place?)", stacklevel=2)
     conversational = fmt in CONVERSATIONAL_FORMATS
     if not conversational and tokenizer.eos_token_id is None:
         raise InputError(f"{label}: standard-format completions end with EOS, but the tokenizer has no eos_token")
@@ -579,6 +593,8 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
         "dropped": dict(sorted(dropped.items())),
         "beyond_max_pairs": beyond_max_pairs,
         "identical_chosen_rejected": int(identical),
+        "duplicate_pairs": duplicates,
+        "prompt_ends_with_assistant": int(assistant_last),
         "prompt_truncated": int(stats["prompt_cut"][kept].sum()),
         "completion_truncated": int(stats["completion_cut"][kept].sum()),
         "template_prefix_mismatch": int(stats["template_mismatches"].sum()),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InputError
-from .plan import PlanConfig, validate_lengths
+from .plan import PlanConfig, validate_lengths, warn_if_ranks_idle
 from .prepare import PreparedPairs
 
 
@@ -28,11 +28,13 @@ def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int
 
 
 def checked_plan_config(cfg, layout, prepared: PreparedPairs) -> PlanConfig:
-    """``cfg.plan_config(layout)`` once every pair is known to fit its row budget (InputError naming the pair)."""
+    """``cfg.plan_config(layout)`` once every pair is known to fit its row budget (InputError naming the pair); warns
+    when a step has fewer pairs than data-parallel ranks."""
     plan_cfg = cfg.plan_config(layout)
     pair_ids = prepared.dataset["pair_id"]
     if layout.sp_size > 1:
         check_pairs_fit_group(prepared.chosen_lengths, prepared.rejected_lengths, cfg.row_budget, layout.sp_size,
                               pair_ids)
     validate_lengths(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, pair_ids=pair_ids)
+    warn_if_ranks_idle(len(prepared.chosen_lengths), plan_cfg)
     return plan_cfg

@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from ..config import check_model_folder
 from ..errors import InputError, first_line
 
 TINY_CONFIGS = {"tiny": "llama", "tiny-qwen2": "qwen2"}
@@ -41,9 +43,15 @@ def load_model_config(model_config: str, vocab_size: int):
                          f"(expected {', '.join(map(repr, TINY_CONFIGS))}, a config.json or a folder holding one)")
     try:
         config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, TypeError, ArithmeticError, StrictDataclassError) as error:
+        # transformers validates some values as it builds the config (StrictDataclassError, a division by 0 heads)
         raise InputError(f"--model-config {path}: unreadable model config ({first_line(error)})") from None
     _check_vocab(config, vocab_size, f"--model-config {path}")
+    try:
+        with torch.device("meta"):  # the layers' shapes, with no memory: an impossible size fails here, not in a rank
+            AutoModelForCausalLM.from_config(config)
+    except (RuntimeError, ValueError, TypeError, ArithmeticError) as error:
+        raise InputError(f"--model-config {path}: cannot build a model from it ({first_line(error)})") from None
     return config
 
 
@@ -62,10 +70,7 @@ def build_model(model: str | None, model_config: str | None, vocab_size: int, dt
     policy and a reference built alike are identical.
     """
     if model is not None:
-        folder = Path(model)
-        if not (folder / "config.json").is_file():
-            reason = "no config.json in the folder" if folder.is_dir() else "no such folder"
-            raise InputError(f"--model {model}: not a local HF model folder ({reason})")
+        folder = check_model_folder(model)
         try:
             lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=attn,
                                                       trust_remote_code=trust_remote_code)

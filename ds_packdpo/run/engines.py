@@ -17,17 +17,23 @@ from pathlib import Path
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime import lr_schedules
+from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+from pydantic import ValidationError
 from transformers import AutoConfig
 from transformers.integrations import HfDeepSpeedConfig
 
 from ..config import REPO_DS_CONFIGS, TrainConfig
-from ..errors import InputError
+from ..errors import InputError, first_line
 from ..model.build import TORCH_DTYPES, build_model, load_model_config
 
 # Keys ds_packdpo owns: each must be "auto" (or the one value the run implies).
 _PINNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # DeepSpeed's monitor sections: the trainer reports through the policy engine's monitor only.
 _MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
+# The config section each of DeepSpeed's pydantic models reads, to name the key in an error.
+_SECTION_OF_MODEL = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+                     "DeepSpeedFP16Config": "fp16"}
 
 
 def load_ds_config(name_or_path: str) -> tuple[dict, str]:
@@ -127,7 +133,33 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
         optimizer.setdefault("params", {}).setdefault("torch_adam", True)
     if optimizer and optimizer.get("type", "").lower() not in ("adam", "adamw", "lamb", "onebitadam", "lion"):
         ds.setdefault("zero_allow_untested_optimizer", True)
+    validate_ds_config(ds, source)
     return ds
+
+
+def validate_ds_config(ds: dict, source: str) -> None:
+    """What DeepSpeed itself would refuse in every rank (its pydantic config models, its optimizer and scheduler
+    names), refused here in one line naming the key, before any process group starts."""
+    for section, known in (("optimizer", lambda name: name.lower() in DEEPSPEED_OPTIMIZERS
+                            or hasattr(torch.optim, name)),
+                           ("scheduler", lambda name: hasattr(lr_schedules, name)
+                            or hasattr(torch.optim.lr_scheduler, name))):
+        name = ds.get(section, {}).get("type")
+        if name is not None and not (isinstance(name, str) and known(name)):
+            raise InputError(f"--ds-config {source}: '{section}.type': {name!r} is neither a DeepSpeed nor a "
+                             f"torch.optim {section}")
+    # train_batch_size is ours (checked above); DeepSpeed derives it from the per-rank keys for the world it sees:
+    # one rank before the process group, the whole world once it exists (bench and precompute-ref get here then).
+    per_rank = {k: v for k, v in ds.items() if k != "train_batch_size"}
+    try:
+        DeepSpeedConfig(per_rank)
+    except ValidationError as error:
+        detail = error.errors()[0]
+        section = _SECTION_OF_MODEL.get(error.title, error.title)
+        key = ".".join([section, *map(str, detail["loc"])])
+        raise InputError(f"--ds-config {source}: '{key}': {detail['msg']}, got {detail['input']!r}") from None
+    except (ValueError, AssertionError, TypeError, KeyError) as error:
+        raise InputError(f"--ds-config {source}: DeepSpeed refuses it ({first_line(error)})") from None
 
 
 def reference_ds_config(policy_ds: dict, offload: bool) -> dict:

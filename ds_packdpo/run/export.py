@@ -11,15 +11,18 @@ folder is only replaced with ``overwrite``.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from deepspeed.utils.zero_to_fp32 import (get_fp32_state_dict_from_zero_checkpoint, get_model_state_files,
+                                          get_optim_files)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..config import DTYPES
-from ..errors import InputError
+from ..errors import InputError, first_line
 from ..model.build import TORCH_DTYPES
 from .checkpoint import HF_FOLDER, resolve_checkpoint
 
@@ -29,6 +32,20 @@ def check_export_target(out: Path, overwrite: bool) -> None:
         raise InputError(f"--out {out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise InputError(f"--out {out}: folder is not empty (pass --overwrite to replace it)")
+
+
+def unreadable_shard(tag_dir: Path) -> Path | None:
+    """The first shard, in the order zero_to_fp32 reads them (model states, then optimizer states), that is not
+    an intact torch archive (torch.save writes a zip: truncation or damage fails its directory or CRC check)."""
+    for path in [*get_model_state_files(str(tag_dir)), *get_optim_files(str(tag_dir))]:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                if archive.testzip() is None:
+                    continue
+        except (zipfile.BadZipFile, OSError):
+            pass
+        return Path(path)
+    return None
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False,
@@ -46,7 +63,14 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=trust_remote_code, local_files_only=True)
     # DeepSpeed reads its shards with torch.load(weights_only=False): export only checkpoints you trust.
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    try:
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as error:  # torch.load of a damaged file
+        shard = unreadable_shard(tag_dir)
+        if shard is None:
+            raise
+        raise InputError(f"--checkpoint {tag_dir}: {shard.name} is unreadable (corrupt or truncated: "
+                         f"{first_line(error)})") from None
     torch_dtype = TORCH_DTYPES[dtype]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)

@@ -14,6 +14,7 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from .build_lock import remove_stale_locks
 from .layout import ParallelLayout
 
 # Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
@@ -24,6 +25,7 @@ def init_process_group(layout: ParallelLayout, collective_timeout_s: float) -> N
     """Starts the process group once per process (a bench measures several configurations in one) and checks
     that it is the job ``layout`` was made for."""
     if not dist.is_initialized():
+        remove_stale_locks()  # init_distributed JIT-builds DeepSpeed's CPU comm extension: a stale lock hangs it
         if not all(key in os.environ for key in RENDEZVOUS_ENV):
             # DeepSpeed's MPI discovery (what init_distributed(auto_mpi_discovery=True) runs) sets MASTER_PORT to its
             # argument, not to the environment's, and MASTER_ADDR to rank 0's first `hostname -I` address: run it
