@@ -321,12 +321,12 @@ def test_round_karmarkar_karp_and_polish_partition_within_the_budget(tokens, k, 
     cost = tokens.astype(np.float64)
     order = np.argsort(-cost, kind="stable")
     members = _round_karmarkar_karp(order, cost, k)
-    assert members.shape[0] == k and sorted(members[members >= 0].tolist()) == list(range(tokens.size))
-    assert (members >= 0).any(axis=1).sum() == min(k, tokens.size)  # no empty row while pairs are left
-    sums = np.array([tokens[m[m >= 0]].sum() for m in members])
+    assert members.shape[1] == k and sorted(members[members >= 0].tolist()) == list(range(tokens.size))
+    assert (members >= 0).any(axis=0).sum() == min(k, tokens.size)  # no empty row while pairs are left
+    sums = np.array([tokens[m[m >= 0]].sum() for m in members.T])
     budget = int(sums.max()) + slack
     polished = _polish(members, cost, tokens, budget)
     assert sorted(polished[polished >= 0].tolist()) == list(range(tokens.size))
-    after = np.array([tokens[m[m >= 0]].sum() for m in polished])
+    after = np.array([tokens[m[m >= 0]].sum() for m in polished.T])
     assert after.max() <= sums.max() and after.min() >= sums.min()  # exchanges only narrow the spread
-    assert (polished >= 0).any(axis=1).sum() == min(k, tokens.size)
+    assert (polished >= 0).any(axis=0).sum() == min(k, tokens.size)

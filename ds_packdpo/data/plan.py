@@ -256,19 +256,20 @@ def _fill_slot(order: np.ndarray, cost: np.ndarray, tokens: np.ndarray, world: i
 
 
 def _round_karmarkar_karp(order: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
-    """Partition the pairs (``order``: by cost descending) into k rows of near-equal cost: [k, members], -1 = none.
+    """Partition the pairs (``order``: by cost descending) into k rows of near-equal cost.
 
-    Karmarkar-Karp's largest differencing, started from *rounds* instead of single pairs: round j is the j-th
-    block of k pairs by size, already a sorted k-vector, so there are ~pairs/k partial partitions to merge
-    instead of one per pair, and every merge is one numpy sort.  Written by hand: no library offers k-way KK.
-    With at least k pairs every row gets one from the first round, so no row is empty.
+    Returns the members as [places, k] (column j = row j, -1 = no pair).  Karmarkar-Karp's largest
+    differencing, started from *rounds* instead of single pairs: round j is the j-th block of k pairs by
+    size, already a sorted k-vector, so there are ~pairs/k partial partitions to merge instead of one per
+    pair, and every merge is one numpy sort.  Written by hand: no library offers k-way KK.  With at least k
+    pairs every row gets one from the first round, so no row is empty.
     """
     rounds = -(-order.size // k)
     members = np.full(rounds * k, -1, dtype=np.int64)
     members[:order.size] = order
     members = members.reshape(rounds, k)
     sums = np.where(members >= 0, cost[members], 0.0)
-    heap = [(sums[j, -1] - sums[j, 0], j, sums[j], members[j][:, None]) for j in range(rounds)]
+    heap = [(sums[j, -1] - sums[j, 0], j, sums[j], members[j:j + 1]) for j in range(rounds)]
     heapq.heapify(heap)
     created = rounds
     while len(heap) > 1:
@@ -278,48 +279,53 @@ def _round_karmarkar_karp(order: np.ndarray, cost: np.ndarray, k: int) -> np.nda
         by_sum = np.argsort(-merged, kind="stable")
         merged = merged[by_sum]
         heapq.heappush(heap, (merged[-1] - merged[0], created, merged,
-                              np.hstack([a_members, b_members[::-1]])[by_sum]))
+                              np.vstack([a_members, b_members[:, ::-1]])[:, by_sum]))
         created += 1
     return heap[0][3]
 
 
 def _polish(members: np.ndarray, cost: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarray:
-    """Pairwise exchange after KK: each heavy row and a light row partner swap the two pairs (or move the one)
-    that bring their costs closest, all partners at once in one [rows/2, m, m] array; the partners alternate
-    between mirror (heaviest with lightest) and shifted (i with i + rows/2) so a pass finds new swaps."""
-    k = members.shape[0]
+    """Pairwise exchange after KK on [places, rows] members: each heavy row and a light row partner swap the
+    two pairs (or move the one) that bring their costs closest, all partners at once in one
+    [places, places, rows/2] array; the partners alternate between mirror (heaviest with lightest) and
+    shifted (i with i + rows/2) so that a pass finds new swaps.  A swap only narrows a partnership's gap, so
+    the heaviest row never grows."""
+    k = members.shape[1]
     half = k // 2
     cost0, tokens0 = np.append(cost, 0.0), np.append(tokens, 0)  # index -1: no pair
+    mirror, shifted = np.arange(k - 1, k - 1 - half, -1), np.arange(k - half, k)
     for sweep in range(_POLISH_PASSES if half else 0):
-        if (members[:, -1] >= 0).any():  # a free place in every row, so that a move is a swap with nothing
-            members = np.hstack([members, np.full((k, 1), -1, dtype=np.int64)])
-        sums = cost0[members].sum(axis=1)
-        by_sum = np.argsort(-sums, kind="stable")
-        members, sums = members[by_sum], sums[by_sum]
-        light = np.arange(k - 1, k - 1 - half, -1) if sweep % 2 == 0 else np.arange(k - half, k)
-        heavy_members, light_members = members[:half], members[light]
-        gap = (sums[:half] - sums[light])[:, None, None]
-        delta = cost0[heavy_members][:, :, None] - cost0[light_members][:, None, :]
-        swap_tokens = tokens0[heavy_members][:, :, None] - tokens0[light_members][:, None, :]
-        heavy_after = tokens0[heavy_members].sum(axis=1)[:, None, None] - swap_tokens
-        light_after = tokens0[light_members].sum(axis=1)[:, None, None] + swap_tokens
-        gain = np.abs(gap) - np.abs(gap - 2 * delta)
-        gain[(delta <= 0) | (heavy_after > budget) | (light_after > budget)] = 0
-        best = gain.reshape(half, -1).argmax(axis=1)
-        act = np.flatnonzero(gain.reshape(half, -1)[np.arange(half), best] > 1e-9)
+        if (members[-1] >= 0).any():  # a free place in every row, so that a move is a swap with nothing
+            members = np.vstack([members, np.full((1, k), -1, dtype=np.int64)])
+        costs = cost0[members]
+        by_sum = np.argsort(-costs.sum(axis=0), kind="stable")
+        members, costs = members[:, by_sum], costs[:, by_sum]
+        counts = tokens0[members]
+        light = shifted if sweep % 2 else mirror  # light[i] > i: row i is the heavier partner
+        heavy_costs, light_costs = costs[:, :half], costs[:, light]
+        heavy_counts, light_counts = counts[:, :half], counts[:, light]
+        delta = heavy_costs[:, None, :] - light_costs[None, :, :]  # [given place, taken place, partnership]
+        moved_tokens = heavy_counts[:, None, :] - light_counts[None, :, :]
+        gap = heavy_costs.sum(axis=0) - light_costs.sum(axis=0)
+        gain = gap - np.abs(gap - 2 * delta)
+        gain[(delta <= 0) | (heavy_counts.sum(axis=0) - moved_tokens > budget)
+             | (light_counts.sum(axis=0) + moved_tokens > budget)] = 0
+        gain = gain.reshape(-1, half)
+        best = gain.argmax(axis=0)
+        act = np.flatnonzero(gain[best, np.arange(half)] > 1e-9)
         if not act.size:
             break
-        at_heavy, at_light = np.divmod(best[act], members.shape[1])
-        moved = members[act, at_heavy]
-        members[act, at_heavy] = members[light[act], at_light]
-        members[light[act], at_light] = moved
+        at_heavy, at_light = np.divmod(best[act], members.shape[0])
+        given = members[at_heavy, act]
+        members[at_heavy, act] = members[at_light, light[act]]
+        members[at_light, light[act]] = given
     return members
 
 
-def _aligned_rows(tokens: np.ndarray, cost: np.ndarray, world: int, slots: int, budget: int) -> np.ndarray | None:
-    """Row (0 .. world*slots-1) of every pair, rows of near-equal cost; None when this greedy cannot keep
-    every row within the budget with that many slots."""
-    order = np.argsort(-cost, kind="stable")
+def _aligned_rows(order: np.ndarray, tokens: np.ndarray, cost: np.ndarray, world: int, slots: int,
+                  budget: int) -> np.ndarray | None:
+    """Row (0 .. world*slots-1) of every pair (``order``: the pairs by cost descending), rows of near-equal
+    cost; None when this greedy cannot keep every row within the budget with that many slots."""
     row = np.full(tokens.size, -1, dtype=np.int64)
     for slot in range(slots):
         rows_left = world * (slots - slot)
@@ -331,8 +337,8 @@ def _aligned_rows(tokens: np.ndarray, cost: np.ndarray, world: int, slots: int, 
             row[placed] = slot * world + filled[placed]
             continue
         members = _polish(_round_karmarkar_karp(order, cost, rows_left), cost, tokens, budget)
-        where = np.nonzero(members >= 0)
-        row[members[where]] = slot * world + where[0]
+        place, column = np.nonzero(members >= 0)
+        row[members[place, column]] = slot * world + column
         break
     row_tokens = np.bincount(row, weights=tokens, minlength=world * slots)
     return row if row_tokens.max() <= budget else None
@@ -346,8 +352,9 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
     c, r = chosen[step_pairs], rejected[step_pairs]
     tokens = c + r
     cost = tokens + cfg.attention_weight * (c.astype(np.float64) ** 2 + r.astype(np.float64) ** 2)
+    heaviest_first = np.argsort(-cost, kind="stable")
     slots = _slot_count_floor(tokens, world, budget)
-    while (row := _aligned_rows(tokens, cost, world, slots, budget)) is None:
+    while (row := _aligned_rows(heaviest_first, tokens, cost, world, slots, budget)) is None:
         slots += 1  # ends: with world * slots >= pairs every pair has a row to itself
     count = world * slots
     row_cost = np.bincount(row, weights=cost, minlength=count)
@@ -359,17 +366,14 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
         ranks = np.argsort(rank_load, kind="stable")
         rank_of_row[slot_rows] = ranks
         rank_load[ranks] += row_cost[slot_rows]
-    # pairs grouped by row (heaviest pair first), then each rank's rows by tokens descending
-    heaviest_first = np.argsort(-cost, kind="stable")
+    # pairs grouped by row (heaviest pair first); rows built rank by rank, each rank's by tokens descending
     pair_ids = step_pairs[heaviest_first[np.argsort(row[heaviest_first], kind="stable")]].tolist()
-    ends = np.cumsum(np.bincount(row, minlength=count)).tolist()
-    starts = [0] + ends[:-1]
-    built = [Row(tuple(pair_ids[start:end]), t, t) if end > start else DUMMY_ROW
-             for start, end, t in zip(starts, ends, row_tokens.tolist())]
-    ranks: list[list[Row]] = [[] for _ in range(world)]
-    for i, rank in zip(np.lexsort((-row_tokens, rank_of_row)).tolist(), np.sort(rank_of_row).tolist()):
-        ranks[rank].append(built[i])
-    return ranks
+    ends = np.cumsum(np.bincount(row, minlength=count))
+    final = np.lexsort((-row_tokens, rank_of_row))
+    built = [Row(tuple(pair_ids[end - size:end]), t, t) if size else DUMMY_ROW
+             for end, size, t in zip(ends[final].tolist(), np.bincount(row, minlength=count)[final].tolist(),
+                                     row_tokens[final].tolist())]
+    return [built[i:i + slots] for i in range(0, count, slots)]
 
 
 def _padded_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, cfg: PlanConfig) -> list[list[Row]]:
