@@ -38,6 +38,7 @@ import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -59,8 +60,7 @@ class PlanConfig:
     micro_batch_pairs: int = 1  # padded mode only
 
 
-@dataclass(frozen=True, slots=True)
-class Row:
+class Row(NamedTuple):  # immutable like a frozen dataclass, built ~2x faster (a plan makes ~10^6 of them)
     pairs: tuple[int, ...]  # positional pair indices; () = dummy row
     tokens: int  # real tokens: both sequences of every pair
     computed_tokens: int  # packed: tokens; padded: 2 * len(pairs) * longest sequence; dummy: 1
