@@ -300,24 +300,23 @@ def _polish(members: np.ndarray, cost: np.ndarray, tokens: np.ndarray, budget: i
         costs = cost0[members]
         by_sum = np.argsort(-costs.sum(axis=0), kind="stable")
         members, costs = members[:, by_sum], costs[:, by_sum]
-        counts = tokens0[members]
         light = shifted if sweep % 2 else mirror  # light[i] > i: row i is the heavier partner
         heavy_costs, light_costs = costs[:, :half], costs[:, light]
-        heavy_counts, light_counts = counts[:, :half], counts[:, light]
         delta = heavy_costs[:, None, :] - light_costs[None, :, :]  # [given place, taken place, partnership]
-        moved_tokens = heavy_counts[:, None, :] - light_counts[None, :, :]
         gap = heavy_costs.sum(axis=0) - light_costs.sum(axis=0)
-        gain = gap - np.abs(gap - 2 * delta)
-        gain[(delta <= 0) | (heavy_counts.sum(axis=0) - moved_tokens > budget)
-             | (light_counts.sum(axis=0) + moved_tokens > budget)] = 0
-        gain = gain.reshape(-1, half)
+        gain = (gap - np.abs(gap - 2 * delta)).reshape(-1, half)
         best = gain.argmax(axis=0)
         act = np.flatnonzero(gain[best, np.arange(half)] > 1e-9)
-        if not act.size:
-            break
         at_heavy, at_light = np.divmod(best[act], members.shape[0])
-        given = members[at_heavy, act]
-        members[at_heavy, act] = members[at_light, light[act]]
+        given, taken = members[at_heavy, act], members[at_light, light[act]]
+        # the budget, checked on the chosen swaps only: with tokens as the cost a narrowing swap cannot break it
+        moved = tokens0[given] - tokens0[taken]
+        keep = ((tokens0[members[:, act]].sum(axis=0) - moved <= budget)
+                & (tokens0[members[:, light[act]]].sum(axis=0) + moved <= budget))
+        if not keep.any():
+            break
+        act, at_heavy, at_light, given, taken = act[keep], at_heavy[keep], at_light[keep], given[keep], taken[keep]
+        members[at_heavy, act] = taken
         members[at_light, light[act]] = given
     return members
 
