@@ -67,6 +67,7 @@ class Row(NamedTuple):  # immutable like a frozen dataclass, built ~2x faster (a
 
 
 DUMMY_ROW = Row(pairs=(), tokens=0, computed_tokens=1)
+_new_row = tuple.__new__  # Row's own __new__ minus a Python call frame: the planner builds ~10^6 rows
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,11 @@ class StepPlan:
 
     @property
     def rank_tokens(self) -> tuple[int, ...]:
-        return tuple(sum(row.tokens for row in rows) for rows in self.ranks)
+        return tuple(sum([row.tokens for row in rows]) for rows in self.ranks)
 
     @property
     def rank_computed_tokens(self) -> tuple[int, ...]:
-        return tuple(sum(row.computed_tokens for row in rows) for rows in self.ranks)
+        return tuple(sum([row.computed_tokens for row in rows]) for rows in self.ranks)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -293,6 +294,8 @@ def _polish(members: np.ndarray, cost: np.ndarray, tokens: np.ndarray, budget: i
     k = members.shape[1]
     half = k // 2
     cost0, tokens0 = np.append(cost, 0.0), np.append(tokens, 0)  # index -1: no pair
+    # With tokens as the cost a swap that narrows a gap cannot break the budget; with an attention term it can.
+    weighted = bool((cost != tokens).any())
     mirror, shifted = np.arange(k - 1, k - 1 - half, -1), np.arange(k - half, k)
     for sweep in range(_POLISH_PASSES if half else 0):
         if (members[-1] >= 0).any():  # a free place in every row, so that a move is a swap with nothing
@@ -309,13 +312,13 @@ def _polish(members: np.ndarray, cost: np.ndarray, tokens: np.ndarray, budget: i
         act = np.flatnonzero(gain[best, np.arange(half)] > 1e-9)
         at_heavy, at_light = np.divmod(best[act], members.shape[0])
         given, taken = members[at_heavy, act], members[at_light, light[act]]
-        # the budget, checked on the chosen swaps only: with tokens as the cost a narrowing swap cannot break it
-        moved = tokens0[given] - tokens0[taken]
-        keep = ((tokens0[members[:, act]].sum(axis=0) - moved <= budget)
-                & (tokens0[members[:, light[act]]].sum(axis=0) + moved <= budget))
-        if not keep.any():
-            break
-        act, at_heavy, at_light, given, taken = act[keep], at_heavy[keep], at_light[keep], given[keep], taken[keep]
+        if weighted:  # the budget, on the chosen swaps only
+            moved = tokens0[given] - tokens0[taken]
+            keep = ((tokens0[members[:, act]].sum(axis=0) - moved <= budget)
+                    & (tokens0[members[:, light[act]]].sum(axis=0) + moved <= budget))
+            if not keep.any():
+                break
+            act, at_heavy, at_light, given, taken = act[keep], at_heavy[keep], at_light[keep], given[keep], taken[keep]
         members[at_heavy, act] = taken
         members[at_light, light[act]] = given
     return members
@@ -366,12 +369,11 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
         rank_of_row[slot_rows] = ranks
         rank_load[ranks] += row_cost[slot_rows]
     # pairs grouped by row (heaviest pair first); rows built rank by rank, each rank's by tokens descending
-    pair_ids = step_pairs[heaviest_first[np.argsort(row[heaviest_first], kind="stable")]].tolist()
-    ends = np.cumsum(np.bincount(row, minlength=count))
+    pair_ids = tuple(step_pairs[heaviest_first[np.argsort(row[heaviest_first], kind="stable")]].tolist())
+    sizes = np.bincount(row, minlength=count)
     final = np.lexsort((-row_tokens, rank_of_row))
-    built = [Row(tuple(pair_ids[end - size:end]), t, t) if size else DUMMY_ROW
-             for end, size, t in zip(ends[final].tolist(), np.bincount(row, minlength=count)[final].tolist(),
-                                     row_tokens[final].tolist())]
+    built = [_new_row(Row, (pair_ids[end - size:end], t, t)) if size else DUMMY_ROW
+             for end, size, t in zip(np.cumsum(sizes)[final].tolist(), sizes[final].tolist(), row_tokens[final].tolist())]
     return [built[i:i + slots] for i in range(0, count, slots)]
 
 
