@@ -34,7 +34,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     chosen, rejected = (np.minimum(np.exp(rng.normal(6.5, 0.8, args.pairs)).astype(np.int64) + 1, args.max_length)
                         for _ in range(2))
-    cfg = PlanConfig(max_tokens_per_row=args.max_tokens_per_row, world_size=args.world_size, seed=args.seed,
+    cfg = PlanConfig(max_tokens_per_row=args.max_tokens_per_row, dp_size=args.world_size, seed=args.seed,
                      global_batch_pairs=args.global_batch_pairs, attention_weight=args.attention_weight)
 
     started = time.perf_counter()

@@ -250,12 +250,11 @@ def test_precomputed_reference_of_another_dataset_is_refused_before_launch(tmp_p
     """--ref-logps is checked in the front command's phase one (not first in every rank after the launch)."""
     from ds_packdpo.config import parse_train_args
     from ds_packdpo.run.reference import meta_path, reference_fingerprint
-    from ds_packdpo.run.trainer import prepare_run
+    from ds_packdpo.run.assemble import prepare
 
     ref = _written(tmp_path / "ref.jsonl", "")
-    run_ = prepare_run(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--ref-logps", str(ref)]),
-                       world_size=2)
-    stored = {**reference_fingerprint(run_), "dataset": "0" * 32}  # this run's, but of other data
+    setup = prepare(parse_train_args(base_flags(tmp_path, out_dir, tokenizer_dir)), world_size=2)
+    stored = {**reference_fingerprint(setup), "dataset": "0" * 32}  # this run's, but of other data
     meta_path(ref).write_text(json.dumps({"fingerprint": stored, "info": {}}))
     train_front("--ref-logps", str(ref), parts=(f"--ref-logps {ref}: computed for a different dataset than this run",))
 
@@ -317,9 +316,9 @@ def test_export_names_the_unreadable_shard(tmp_path, out_dir, demo_tokenizer, ca
 def test_train_phase_one_warns_when_ranks_idle(tmp_path, out_dir, tokenizer_dir):
     """Not an error, but said before the launch: 1 pair per step on 2 ranks leaves one rank idle."""
     from ds_packdpo.config import parse_train_args
-    from ds_packdpo.run.trainer import prepare_run
+    from ds_packdpo.run.assemble import prepare
 
     with pytest.warns(UserWarning, match="1 pairs per step for 2 data-parallel ranks: 1 ranks get no pair .* at most "
                                          "50% of the ranks' compute"):
-        prepare_run(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--global-batch-pairs", "1"]),
-                    world_size=2)
+        prepare(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--global-batch-pairs", "1"]),
+                world_size=2)

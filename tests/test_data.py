@@ -192,6 +192,35 @@ def test_missing_path_and_unsupported_file(tmp_path, demo_tokenizer, cache_dir):
     assert_input_error(DataConfig(str(not_saved), cache_dir=cache_dir), demo_tokenizer, str(not_saved), "save_to_disk")
 
 
+def test_a_cache_hit_reads_no_rows(tmp_path, dpo_demo_rows, demo_tokenizer, cache_dir, monkeypatch):
+    """The second preparation of an unchanged file (another rank of the node) hashes its bytes and opens the
+    tokenized cache: no row is parsed or validated, and the result is the first one's, summary included."""
+    rows = copy.deepcopy(dpo_demo_rows[:40])
+    rows[3]["chosen"] = None  # a bad row, skipped and counted
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps(rows))
+    cfg = DataConfig(str(path), on_bad_row="skip", max_pairs=30, cache_dir=cache_dir)
+    first = prepare_pairs(cfg, demo_tokenizer)
+
+    def no_rows(*_):
+        raise AssertionError("rows were loaded on a cache hit")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(data, "_load_records", no_rows)
+        patched.setattr(data, "_validate", no_rows)
+        again = prepare_pairs(cfg, demo_tokenizer)
+    assert again.summary == first.summary and again.summary["dropped"] == {"null_field": 1}
+    assert again.fingerprint == first.fingerprint
+    assert pair_ids(again) == pair_ids(first)
+    np.testing.assert_array_equal(again.chosen_lengths, first.chosen_lengths)
+    np.testing.assert_array_equal(again.rejected_lengths, first.rejected_lengths)
+    # another setting, or the file changed: rows are read again
+    assert prepare_pairs(dataclasses.replace(cfg, max_pairs=20), demo_tokenizer).summary["kept"] == 20
+    rows[3]["chosen"] = rows[4]["chosen"]
+    path.write_text(json.dumps(rows))
+    assert prepare_pairs(cfg, demo_tokenizer).summary["dropped"] == {}
+
+
 def test_dpo_en_demo_loads_as_sharegpt_with_300_rows(dpo_demo_path, demo_tokenizer, cache_dir):
     prepared = prepare_pairs(DataConfig(str(dpo_demo_path), cache_dir=cache_dir), demo_tokenizer)
     s = prepared.summary

@@ -134,7 +134,9 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
 def test_lean_gradients_reach_zero3_partitions(tmp_path):
     """2 ranks, ZeRO-3 with every parameter partitioned, untied and tied embeddings, ranks with different
     chunk counts and a dummy row: every parameter's gradient assembled from DeepSpeed's partitions after
-    engine.backward is the same with lean and plain log-probs (see tests/zero3_lean_check.py)."""
+    engine.backward is the same with lean and plain log-probs (see tests/zero3_lean_check.py); and the
+    V x H lm_head is all-gathered once per row in forward and once in backward, whatever the chunk count
+    (it was once per chunk and twice per chunk: 15 and 30 at 71 tokens in chunks of 5)."""
     out = tmp_path / "report.json"
     run(deepspeed_script(2, "tests/zero3_lean_check.py", str(out)))
     report = json.loads(out.read_text())
@@ -143,3 +145,9 @@ def test_lean_gradients_reach_zero3_partitions(tmp_path):
         assert worst["grad_scale"] > 1e-3, worst  # the check has gradients to compare
         assert worst["grad"] <= 1e-5 * worst["grad_scale"], (model, worst)
         assert worst["logps"] <= 1e-5 * worst["logps_scale"], (model, worst)
+        rows = [row for rank in worst["head_gathers"] for row in rank]
+        assert max(r["completion_tokens"] for r in rows) > 10 * 5 and min(r["completion_tokens"] for r in rows) == 0
+        for row in rows:
+            lean, plain = row["lean"], row["plain"]
+            # a tied weight is also the input embedding: its own gathers (plain: 2 and 2) come on top of the head's
+            assert lean["forward"] == 1 and lean["backward"] == plain["backward"] == (2 if model == "tied" else 1), row

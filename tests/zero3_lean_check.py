@@ -5,7 +5,9 @@ partitioned runs the same rows through plain and lean log-probs; after each
 ``engine.backward`` the full gradient of every parameter is assembled from
 DeepSpeed's partitions.  The ranks get different numbers of completion tokens (and
 one row gives rank 1 the dummy row with none), so the ranks make different numbers
-of chunks unless they agree on them.  Rank 0 writes the largest differences as JSON.
+of chunks.  It also counts, per row, the all-gathers that bring
+the lm_head weight in (forward and backward apart).  Rank 0 writes the largest
+differences and the counts as JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import safe_get_full_grad
 from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
@@ -35,6 +38,21 @@ def full_grads(engine) -> list[torch.Tensor]:
     return [safe_get_full_grad(p).detach().clone() for p in engine.module.parameters()]
 
 
+def count_gathers_of(module: torch.nn.Module, weight: torch.nn.Parameter) -> list[int]:
+    """A counter of the all-gathers that fetch ``weight`` while it is partitioned, whoever asks: ZeRO's module
+    hooks (``all_gather_coalesced`` on the module's parameters) or a direct ``all_gather``."""
+    count = [0]
+    for param in module.parameters():
+        for name in ("all_gather", "all_gather_coalesced"):
+            def counted(*args, _original=getattr(param, name), _param=param, **kwargs):
+                listed = args[0] if args else kwargs.get("param_list", kwargs.get("params"))
+                if any(p is weight for p in (listed or [_param])) and weight.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                    count[0] += 1
+                return _original(*args, **kwargs)
+            setattr(param, name, counted)
+    return count
+
+
 def main(out_path: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -48,16 +66,22 @@ def main(out_path: str) -> None:
                                                  attn_implementation="sdpa")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=DS_CONFIG)
         del keep_alive
-        worst = {"logps": 0.0, "logps_scale": 0.0, "grad": 0.0, "grad_scale": 0.0}
+        gathers = count_gathers_of(engine.module, engine.module.lm_head.weight)
+        worst = {"logps": 0.0, "logps_scale": 0.0, "grad": 0.0, "grad_scale": 0.0, "head_gathers": []}
         for pairs in rows:
             batch = collate_packed(pairs, list(range(len(pairs))), 0)
             results = {}
+            counts = {"completion_tokens": int((batch.labels != -100).sum())}
             for impl in ("plain", "lean"):
+                before = gathers[0]
                 seqs = forward_logps(engine, batch, "sdpa", chunk_tokens=5, impl=impl)
                 loss = (seqs.logps * torch.linspace(-1.0, 1.0, seqs.logps.numel())).sum() / 100
+                middle = gathers[0]
                 engine.backward(loss)
+                counts[impl] = {"forward": middle - before, "backward": gathers[0] - middle}
                 results[impl] = seqs.logps.detach(), full_grads(engine)
                 engine.optimizer.zero_grad()
+            worst["head_gathers"].append(counts)
             (plain, plain_grads), (lean, lean_grads) = results["plain"], results["lean"]
             if plain.numel():
                 worst["logps"] = max(worst["logps"], float((plain - lean).abs().max()))
@@ -65,6 +89,9 @@ def main(out_path: str) -> None:
             for want, got in zip(plain_grads, lean_grads, strict=True):
                 worst["grad"] = max(worst["grad"], float((want - got).abs().max()))
                 worst["grad_scale"] = max(worst["grad_scale"], float(want.abs().max()))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, worst.pop("head_gathers"))
+        worst["head_gathers"] = everyone  # [rank][row]
         report["tied" if tied else "untied"] = worst
         engine.destroy()
     if rank == 0:

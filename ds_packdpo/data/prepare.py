@@ -9,9 +9,10 @@ Stages, in this order, so that bad input stops before any heavy work:
    InputError naming the file, the row and the reason (or is skipped and counted
    with ``on_bad_row="skip"``);
 3. **tokenize + truncate** with ``datasets.map``, cached on disk under a
-   fingerprint of (normalized content, tokenizer, settings), so the second call
-   with the same inputs (another rank of the node, a restarted run) only reads
-   the cache file.
+   fingerprint of (normalized content, tokenizer, settings).  A local file or
+   folder is also keyed by a hash of its bytes (plus settings and tokenizer), so
+   the second call with the same inputs (another rank of the node, a restarted
+   run) hashes the file and opens the cache, with no row parsed in Python.
 
 Pure functions over rows and ids: no torch.distributed, no DeepSpeed.  The
 trainer makes local rank 0 call first and the others after a barrier.
@@ -509,8 +510,42 @@ def _list_lengths(table: pa.Table, column: str) -> np.ndarray:
     return pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _source_key(cfg: DataConfig, tokenizer) -> str | None:
+    """Key of a local dataset as it is on disk (its files' bytes) with every setting and the tokenizer, or None
+    (rows in memory or from the hub).  Hashing bytes is far cheaper than parsing and validating rows in Python."""
+    path = Path(cfg.dataset).expanduser()
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path] if path.is_file() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("num_proc", "cache_dir")}
+    key = {"version": DATA_VERSION, "files": digest.hexdigest(), "settings": settings,
+           "tokenizer": tokenizer_fingerprint(tokenizer)}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
 def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) -> PreparedPairs:
-    """Loads, validates, tokenizes and truncates ``cfg.dataset``, or the in-memory ``rows`` labelled so."""
+    """Loads, validates, tokenizes and truncates ``cfg.dataset``, or the in-memory ``rows`` labelled so.
+
+    A local dataset seen before with the same settings and tokenizer is not read row by row again: its
+    bytes' hash leads to the tokenized cache and the validation summary of the first call (so the other
+    ranks of a node, after the first, only hash the file and open the cache).
+    """
+    cache_dir = Path(cfg.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    source = _source_key(cfg, tokenizer) if rows is None else None
+    index = cache_dir / f"source-{source}.json" if source else None
+    if index is not None and index.is_file():
+        seen = json.loads(index.read_text())
+        cached = cache_dir / f"pairs-{seen['fingerprint']}.arrow"
+        if cached.is_file():
+            return _finish(cfg, datasets.Dataset.from_file(str(cached)), seen["fingerprint"], seen["fmt"],
+                           seen["rows"], Counter(seen["bad"]), seen["beyond_max_pairs"], seen["quality"])
     label = cfg.dataset
     records = [(f"row {i}", row) for i, row in enumerate(rows)] if rows is not None else _load_records(cfg)
     fmt, normalized, bad = _validate(records, cfg, label)
@@ -518,22 +553,7 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     if cfg.max_pairs is not None and len(normalized) > cfg.max_pairs:
         beyond_max_pairs = len(normalized) - cfg.max_pairs
         normalized = normalized[: cfg.max_pairs]
-    identical = sum(row["chosen"] == row["rejected"] for row in normalized)
-    if identical:
-        warnings.warn(
-            f"{label}: {identical} pairs have identical chosen and rejected completions; kept, but they teach nothing",
-            stacklevel=2,
-        )
-    distinct = {json.dumps([row["prompt"], row["chosen"], row["rejected"]], sort_keys=True) for row in normalized}
-    duplicates = len(normalized) - len(distinct)
-    if duplicates:
-        warnings.warn(f"{label}: {duplicates} pairs repeat an earlier pair exactly (prompt, chosen and rejected); "
-                      f"kept, so those pairs weigh double", stacklevel=2)
-    assistant_last = sum(isinstance(row["prompt"], list) and row["prompt"][-1]["role"] == "assistant"
-                         for row in normalized)
-    if assistant_last:
-        warnings.warn(f"{label}: {assistant_last} prompts end with an assistant turn, so the completion answers the "
-                      f"assistant, not the user (a prompt/completion split in the wrong place?)", stacklevel=2)
+    quality = _quality_counts(normalized)
     conversational = fmt in CONVERSATIONAL_FORMATS
     if not conversational and tokenizer.eos_token_id is None:
         raise InputError(f"{label}: standard-format completions end with EOS, but the tokenizer has no eos_token")
@@ -550,8 +570,6 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
-    cache_dir = Path(cfg.cache_dir or DEFAULT_CACHE_DIR).expanduser()
-    cache_dir.mkdir(parents=True, exist_ok=True)
     encoded = datasets.Dataset.from_list(normalized).map(
         _encode_batch,
         batched=True,
@@ -570,6 +588,41 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
         new_fingerprint=fingerprint,  # explicit: datasets would otherwise hash the tokenizer with dill
         desc="tokenize pairs",
     )
+    prepared = _finish(cfg, encoded, fingerprint, fmt, len(records), bad, beyond_max_pairs, quality)
+    if index is not None:  # written once the pairs are: a reader never finds an index without its cache
+        atomic_write(index, lambda temporary: Path(temporary).write_text(json.dumps(
+            {"fingerprint": fingerprint, "fmt": fmt, "rows": len(records), "bad": dict(bad),
+             "beyond_max_pairs": beyond_max_pairs, "quality": quality})))
+    return prepared
+
+
+def _quality_counts(normalized: list[dict]) -> dict[str, int]:
+    """Pairs that train but probably should not as they are: the counts of prepare's summary (and its warnings)."""
+    distinct = {json.dumps([row["prompt"], row["chosen"], row["rejected"]], sort_keys=True) for row in normalized}
+    return {
+        "identical_chosen_rejected": sum(row["chosen"] == row["rejected"] for row in normalized),
+        "duplicate_pairs": len(normalized) - len(distinct),
+        "prompt_ends_with_assistant": sum(isinstance(row["prompt"], list) and row["prompt"][-1]["role"] == "assistant"
+                                          for row in normalized),
+    }
+
+
+_QUALITY_WARNINGS = {
+    "identical_chosen_rejected": "pairs have identical chosen and rejected completions; kept, but they teach nothing",
+    "duplicate_pairs": "pairs repeat an earlier pair exactly (prompt, chosen and rejected); kept, so those pairs "
+                       "weigh double",
+    "prompt_ends_with_assistant": "prompts end with an assistant turn, so the completion answers the assistant, not "
+                                  "the user (a prompt/completion split in the wrong place?)",
+}
+
+
+def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: str, rows: int, bad: Counter,
+            beyond_max_pairs: int, quality: dict[str, int]) -> PreparedPairs:
+    """Lengths, drops and the summary, from the tokenized table (fresh or from the cache)."""
+    label = cfg.dataset
+    for key, count in quality.items():
+        if count:
+            warnings.warn(f"{label}: {count} {_QUALITY_WARNINGS[key]}", stacklevel=3)
     table = encoded.data.table
     stats = {name: table.column(name).to_numpy(zero_copy_only=False) for name in _STAT_COLUMNS}
     lengths = {name: _list_lengths(table, f"{name}_ids") for name in ("prompt", "chosen", "rejected")}
@@ -588,13 +641,11 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     summary = {
         "dataset": label,
         "format": fmt,
-        "rows": len(records),
+        "rows": rows,
         "kept": int(kept.size),
         "dropped": dict(sorted(dropped.items())),
         "beyond_max_pairs": beyond_max_pairs,
-        "identical_chosen_rejected": int(identical),
-        "duplicate_pairs": duplicates,
-        "prompt_ends_with_assistant": int(assistant_last),
+        **quality,
         "prompt_truncated": int(stats["prompt_cut"][kept].sum()),
         "completion_truncated": int(stats["completion_cut"][kept].sum()),
         "template_prefix_mismatch": int(stats["template_mismatches"].sum()),

@@ -11,7 +11,8 @@ Two implementations, one result:
   the lm_head to the completion positions only, a chunk at a time, keeps one
   logsumexp per token, and recomputes each chunk's logits in backward.  At most one
   chunk of logits and its gradient exist at any time; the price is one extra
-  lm_head matmul (the recomputation).
+  lm_head matmul (the recomputation).  Under ZeRO-3 the head weight is gathered
+  once per forward and once per backward, not once per chunk.
 
 Token log-probs are then summed per sequence with one ``index_add`` over the
 sequence index - no loop over sequences.
@@ -19,13 +20,12 @@ sequence index - no loop over sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import inspect
+from dataclasses import dataclass
 import warnings
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from .attention import model_forward_kwargs
 
@@ -165,95 +165,88 @@ def lean_lm_head(model) -> torch.nn.Linear | None:
     return head
 
 
-def _is_tied(model, head: torch.nn.Linear) -> bool:
-    lm = _unwrap(model)
-    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
-    return embeddings is not None and getattr(embeddings, "weight", None) is head.weight
+def _as_head_call(head: torch.nn.Linear, fn, *args):
+    """``fn(*args)`` run as one call of the ``head`` module, so that every hook on the module treats it as one.
 
-
-def _agreed_chunk_count(count: int, chunk_tokens: int, head: torch.nn.Linear, device) -> int:
-    """Chunks of this forward; under ZeRO-3 the maximum over ranks.
-
-    ZeRO-3 gathers the partitioned lm_head weight in every call of the module (a
-    collective), so every rank must call it equally often, whatever its own token
-    count (DeepSpeed's TiledMLP agrees on its shard count the same way).  At least
-    one call, so that the weight gets a (zero) gradient on a rank with no tokens.
+    Under ZeRO-3 that is one all-gather of the partitioned head weight before it and a release after, and in
+    backward one more gather, the weight gradient accumulated while the weight is whole (autograd needs it at
+    its full shape) and reduce-scattered by ZeRO's gradient hook, then a release - for the whole row,
+    however many chunks ``fn`` makes.  A module's hooks cannot be had without calling the module, hence the
+    temporary ``forward`` (an instance attribute, which ``nn.Module.__call__`` looks up first).
     """
-    chunks = max(1, -(-count // chunk_tokens))
-    if hasattr(head.weight, "ds_id") and dist.is_available() and dist.is_initialized():
-        agreed = torch.tensor(chunks, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        chunks = int(agreed)
-    return chunks
+    own = head.__dict__.get("forward")  # e.g. accelerate's hook, kept
+    head.forward = fn
+    try:
+        return head(*args)
+    finally:
+        if own is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = own
 
 
 class _LeanLabelLogProb(torch.autograd.Function):
-    """log_softmax(lm_head(hidden))[i, target_i] and the vocab-mean logit, chunk by chunk, recomputed in backward.
+    """log_softmax(hidden @ W.T + b)[i, target_i] and the vocab-mean logit, chunk by chunk, recomputed in backward.
 
-    The lm_head is called as a module per chunk (as DeepSpeed's TiledFusedLogitsLoss
-    does), so ZeRO-3's hooks gather its partitioned weight for each call.  Backward
-    runs, per chunk, a nested backward through the module: the hidden-state gradient
-    comes back here, the weight gradient goes where DeepSpeed's hooks expect it.
-    ``ds_grad_is_ready`` holds DeepSpeed's reduction of the weight gradient until the
-    last chunk - or, for a weight tied to the input embeddings, until the embedding's
-    own gradient joins it in the outer backward.  Saved for backward: the selected
-    hidden states and one logsumexp per token.  Because the weight gradient is
-    accumulated into ``.grad`` directly, use ``.backward()``, not ``torch.autograd.grad``.
+    Applied inside one call of the head module (:func:`_as_head_call`), with the head's weight and bias as
+    inputs: under ZeRO-3 they are whole in forward and again in backward, which computes the hidden-state,
+    weight and bias gradients chunk by chunk itself and returns the weight gradient once per row; autograd
+    accumulates it into ``weight.grad`` (summed with the input embedding's, for a tied weight) and ZeRO-3's
+    gradient hook reduce-scatters it.  No collective runs inside the chunk loop, so ranks with different
+    chunk counts stay in step.  Saved for backward: the selected hidden states and one logsumexp per token;
+    at most one chunk of logits (and its gradient) exists at a time.
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, head, spans, tied):
+    def forward(ctx, hidden, targets, weight, bias, head, spans):
         count = hidden.shape[0]
         token_logps = hidden.new_empty(count, dtype=torch.float32)
         logsumexp = hidden.new_empty(count, dtype=torch.float32)
         mean_logit = hidden.new_empty(count, dtype=torch.float32)
-        with torch.no_grad():
-            for span in spans:
-                logits = head(hidden[span]).float()
-                logsumexp[span] = torch.logsumexp(logits, dim=-1)
-                token_logps[span] = logits.gather(1, targets[span, None]).squeeze(1) - logsumexp[span]
-                mean_logit[span] = logits.mean(dim=-1)
+        for span in spans:
+            logits = torch.nn.functional.linear(hidden[span], weight, bias).float()
+            logsumexp[span] = torch.logsumexp(logits, dim=-1)
+            token_logps[span] = logits.gather(1, targets[span, None]).squeeze(1) - logsumexp[span]
+            mean_logit[span] = logits.mean(dim=-1)
         ctx.save_for_backward(hidden, targets, logsumexp)
-        ctx.head, ctx.spans, ctx.tied = head, spans, tied
+        ctx.head, ctx.spans = head, spans
         ctx.mark_non_differentiable(mean_logit)
         return token_logps, mean_logit
 
     @staticmethod
     def backward(ctx, grad_token_logps, _grad_mean_logit):
         hidden, targets, logsumexp = ctx.saved_tensors
-        weights = [p for p in ctx.head.parameters() if p.requires_grad]
-        grad_hidden = torch.zeros_like(hidden)
+        want_hidden, _, want_weight, want_bias = ctx.needs_input_grad[:4]
         grad_token_logps = grad_token_logps.float()
-        for i, span in enumerate(ctx.spans):
-            ready = i == len(ctx.spans) - 1 and not ctx.tied
-            for weight in weights:
-                weight.ds_grad_is_ready = ready
-            chunk = hidden[span].detach().requires_grad_()
-            with torch.enable_grad():
-                logits = ctx.head(chunk)
+        weight, bias = ctx.head.weight, ctx.head.bias  # whole again: ZeRO-3 gathered them for the head's backward
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_bias = torch.zeros_like(bias) if want_bias else None
+        for span in ctx.spans:
+            chunk = hidden[span]
             g = grad_token_logps[span, None]
-            grad_logits = (logits.detach().float() - logsumexp[span, None]).exp_().mul_(-g)
-            grad_logits.scatter_add_(1, targets[span, None], g)
-            torch.autograd.backward(logits, grad_logits.to(logits.dtype))
-            grad_hidden[span] = chunk.grad
-        for weight in weights:
-            weight.ds_grad_is_ready = True
-        return grad_hidden, None, None, None, None
+            logits = torch.nn.functional.linear(chunk, weight, bias).float()
+            grad_logits = (logits - logsumexp[span, None]).exp_().mul_(-g)
+            grad_logits = grad_logits.scatter_add_(1, targets[span, None], g).to(weight.dtype)
+            if want_hidden:
+                grad_hidden[span] = grad_logits @ weight
+            if want_weight:
+                grad_weight.addmm_(grad_logits.T, chunk)
+            if want_bias:
+                grad_bias += grad_logits.sum(dim=0)
+        return grad_hidden, None, grad_weight, grad_bias, None, None
 
 
-def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk_tokens: int = 4096,
-                     tied: bool = False):
+def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk_tokens: int = 4096):
     """Like :func:`completion_token_logps`, from final hidden states ``[N, L, H]`` and the lm_head."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    if torch.is_grad_enabled() and not selected.requires_grad and any(p.requires_grad for p in head.parameters()):
-        selected = selected.detach().requires_grad_()  # so that backward reaches the lm_head weight (frozen backbone)
-    chunks = _agreed_chunk_count(rows.numel(), chunk_tokens, head, hidden.device)
-    spans = [slice(i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(chunks)]
-    token_logps, mean_logit = _LeanLabelLogProb.apply(selected, flat_labels[rows], head, spans, tied)
+    spans = [slice(start, start + chunk_tokens) for start in range(0, rows.numel(), chunk_tokens)]
+    token_logps, mean_logit = _as_head_call(
+        head, lambda x, y: _LeanLabelLogProb.apply(x, y, head.weight, head.bias, head, spans), selected, flat_labels[rows])
     return rows, token_logps, mean_logit
 
 
@@ -280,5 +273,5 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096,
         output = model(**model_forward_kwargs(batch, attn))
         return sequence_logps(output.logits, batch.labels, batch.seq_index, batch.num_sequences, chunk_tokens)
     hidden = _final_hidden_states(model, batch, attn)
-    rows, token_logps, mean_logit = lean_token_logps(hidden, batch.labels, head, chunk_tokens, _is_tied(model, head))
+    rows, token_logps, mean_logit = lean_token_logps(hidden, batch.labels, head, chunk_tokens)
     return _per_sequence(rows, token_logps, mean_logit, batch.seq_index, batch.num_sequences)
