@@ -58,13 +58,18 @@ def test_flop_model_counts_every_weight_but_the_input_embedding():
 # ---- one real bench launch ----------------------------------------------------------------------
 
 BENCH_RUN = ["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8", "--micro-batch-pairs", "2",
-             "--model-config", "tiny", "--max-steps", "2", "--bench-warmup-steps", "1", "--no-progress"]
+             "--max-steps", "2", "--bench-warmup-steps", "1", "--no-progress"]
 
 
 def launch_bench(root, name: str, configurations: str, *flags: str):
+    """A 2-rank bench of the 'tiny' model given as a config.json file, as the bench's own model is: a file is read
+    (and checked) in phase one, then built under ZeRO-3."""
     out = root / name
-    run(deepspeed_module(2, "ds_packdpo.bench", *BENCH_RUN, "--cache-dir", str(root / f"cache_{name}"),
-                         "--configurations", configurations, "--out", str(out), *flags), timeout=600)
+    model_config = root / "tiny_config.json"
+    tiny_config(vocab_size=1024).to_json_file(str(model_config))  # the embedded data's tokenizer has 1024 tokens
+    run(deepspeed_module(2, "ds_packdpo.bench", *BENCH_RUN, "--model-config", str(model_config), "--cache-dir",
+                         str(root / f"cache_{name}"), "--configurations", configurations, "--out", str(out), *flags),
+        timeout=600)
     return out
 
 
@@ -184,7 +189,7 @@ def test_bench_under_sequence_parallelism_trains_what_one_rank_per_row_trains(be
 
 def test_bench_refuses_a_configuration_the_layout_cannot_run(tmp_path, capsys):
     """Padded micro-batches cannot be split over a sequence-parallel group: refused before any rank starts."""
-    assert cli.main(["bench", *BENCH_RUN, "--cache-dir", str(tmp_path / "cache"), "--sequence-parallel-size", "2",
+    assert cli.main(["bench", *BENCH_RUN, "--model-config", "tiny", "--cache-dir", str(tmp_path / "cache"), "--sequence-parallel-size", "2",
                      "--configurations", "packed,padded", "--out", str(tmp_path / "b")]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: --configurations padded: --sequence-parallel-size 2 splits packed rows"), last

@@ -31,8 +31,14 @@ def tiny_config(arch: str = "llama", vocab_size: int = 1024, hidden_size: int = 
     return config_classes[arch](**{**settings, **overrides})
 
 
-def load_model_config(model_config: str, vocab_size: int):
-    """'tiny' (Llama), 'tiny-qwen2', or a config.json / a folder holding one."""
+def load_model_config(model_config: str, vocab_size: int, check_buildable: bool = False):
+    """'tiny' (Llama), 'tiny-qwen2', or a config.json / a folder holding one.
+
+    ``check_buildable`` (phase one) also builds the model on the meta device, so that an
+    impossible size fails before any rank starts.  Not when building the real model:
+    under ZeRO-3 transformers wraps every from_config in ``zero.Init``, which cannot
+    initialize meta tensors.
+    """
     if model_config in TINY_CONFIGS:
         return tiny_config(TINY_CONFIGS[model_config], vocab_size=vocab_size)
     path = Path(model_config)
@@ -47,6 +53,8 @@ def load_model_config(model_config: str, vocab_size: int):
         # transformers validates some values as it builds the config (StrictDataclassError, a division by 0 heads)
         raise InputError(f"--model-config {path}: unreadable model config ({first_line(error)})") from None
     _check_vocab(config, vocab_size, f"--model-config {path}")
+    if not check_buildable:
+        return config
     try:
         with torch.device("meta"):  # the layers' shapes, with no memory: an impossible size fails here, not in a rank
             AutoModelForCausalLM.from_config(config)

@@ -222,7 +222,7 @@ def model_config(cfg: TrainConfig, vocab_size: int):
     """The policy's HF config alone (cheap: no weights)."""
     if cfg.model is not None:
         return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    return load_model_config(cfg.model_config or "tiny", vocab_size)
+    return load_model_config(cfg.model_config or "tiny", vocab_size, check_buildable=True)
 
 
 def model_hidden_size(cfg: TrainConfig, vocab_size: int) -> int:
