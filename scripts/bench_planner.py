@@ -55,8 +55,8 @@ def main() -> None:
         "steps": len(utilization),
         "seconds": round(seconds, 3),
         "ms_per_step": round(1000 * seconds / len(utilization), 3),
-        "utilization": round(float(np.mean(utilization)), 5),
-        "utilization_min": round(float(np.min(utilization)), 5),
+        "rank_balance": round(float(np.mean(utilization)), 5),
+        "rank_balance_min": round(float(np.min(utilization)), 5),
         "rows_per_rank": {"min": min(rows_per_rank), "max": max(rows_per_rank)},
     }))
 

@@ -502,8 +502,8 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
         "dummy_rows": dummy_rows,
         "rows_per_rank": {"min": min(rows_per_rank), "max": max(rows_per_rank)},
         "lockstep_utilization": real_tokens / (world * lockstep),
-        "utilization": float(step_utilization.mean()),
-        "utilization_min": float(step_utilization.min()),
+        "rank_balance": float(step_utilization.mean()),  # mean / max rank tokens, mean over steps
+        "rank_balance_min": float(step_utilization.min()),
         "row_fill": real_tokens / (rows * cfg.max_tokens_per_row),
         "padded_computed_tokens": padded_computed,
         "padded_utilization": real_tokens / padded_computed,
