@@ -53,11 +53,15 @@ def test_trajectory_independent_of_layout(tmp_path):
 
 @pytest.mark.multirank
 def test_uneven_data_finishes_without_hang(tmp_path):
-    """3 pairs on 2 ranks: one rank runs a dummy row so both run the same number of forwards."""
-    runs = launch(tmp_path, "uneven", 2, "--synthetic-pairs", "3", "--global-batch-pairs", "3", "--max-steps", "2",
-                  "--epochs", "2")
-    assert [r["pairs"] for r in runs] == [3, 3]
+    """3 pairs on 2 ranks: one rank runs a dummy row so both run the same number of forwards.  The same launch shows
+    --loss and --warmup-steps in the metrics: IPO's step-1 loss (policy = reference) is (1 / (2 beta))^2, and the LR
+    of DeepSpeed's linear WarmupLR climbs as lr * (step - 1) / warmup-steps."""
+    runs = launch(tmp_path, "uneven", 2, "--synthetic-pairs", "3", "--global-batch-pairs", "3", "--max-steps", "3",
+                  "--epochs", "3", "--loss", "ipo", "--warmup-steps", "4")
+    assert [r["pairs"] for r in runs] == [3, 3, 3]
     assert all(r["rows_per_rank"] >= 1 for r in runs)
+    assert runs[0]["loss"] == pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-6)
+    assert [r["lr"] for r in runs] == pytest.approx([1e-3 * (step - 1) / 4 for step in (1, 2, 3)], rel=1e-6)
 
 
 def run_rank(tmp_path: Path, *flags: str):
