@@ -44,6 +44,7 @@ from .precompute_ref import precompute
 from .report import build_report, write_report_folder
 from .run.assemble import RunSetup, prepare, start
 from .run.engines import model_config
+from .run.process_group import close_process_group
 from .run.timing import PeakMemory, StepTimer, throughput_meter
 from .run.trainer import DPOTrainer
 
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     def job() -> int:
         cfg, settings = parse_bench_args(argv, prog="ds_packdpo.bench")
         run_bench(cfg, settings, [a for a in argv if not a.startswith("--local_rank")])
+        close_process_group()
         return 0
 
     return run_guarded(job)

@@ -23,6 +23,7 @@ from .config import add_arguments, config_from_args
 from .data.plan import iter_plan
 from .errors import run_guarded
 from .run.assemble import RunSetup, prepare, start
+from .run.process_group import close_process_group
 from .run.reference import RECORD_KEYS, check_output_path, reference_fingerprint, write_reference
 
 
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     def job() -> int:
         cfg, out = parse_args(argv, prog="ds_packdpo.precompute_ref")
         summary = precompute(cfg, out)
+        close_process_group()
         if summary is not None:
             print(json.dumps(summary, indent=2))
         return 0

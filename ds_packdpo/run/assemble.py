@@ -20,6 +20,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..config import TrainConfig
+from ..data.plan import PlanConfig
 from ..data.prepare import PreparedPairs
 from ..data.run_plan import checked_plan_config
 from ..data.source import prepare_run_data, tokenizer_and_rows
@@ -29,6 +30,7 @@ from ..model.attention import ULYSSES_ATTN, resolve_attn
 from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
 from ..model.logps import SequenceLogps, forward_logps
+from ..model.losses import LossConfig
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
 from .engines import (build_policy, build_reference, fill_ds_config, load_ds_config, load_model, model_config,
                       model_hidden_size, zero_stage)
@@ -55,8 +57,8 @@ class RunSetup:
     ds_config: dict
     tokenizer: object
     prepared: PreparedPairs
-    plan_cfg: object  # data.plan.PlanConfig
-    loss_cfg: object  # model.losses.LossConfig
+    plan_cfg: PlanConfig
+    loss_cfg: LossConfig
     resume: ResumePoint | None = None  # None: a fresh start
     precomputed: PrecomputedReference | None = None  # the --ref-logps file
 

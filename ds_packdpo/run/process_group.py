@@ -44,3 +44,15 @@ def is_collective_failure(error: RuntimeError) -> bool:
     """A collective that failed because a peer died or stalled (gloo/NCCL/c10d errors), not a bug of ours."""
     text = str(error)
     return isinstance(error, dist.DistError) or any(key in text for key in ("gloo", "NCCL", "c10d"))
+
+
+def close_process_group() -> None:
+    """Tears the process group down at the end of a completed run, before the interpreter exits.
+
+    Left to interpreter shutdown, a rank that finishes while another still works (rank 0 exporting
+    after the last checkpoint) destroyed gloo's objects in no set order and was seen aborting
+    ("terminate called without an active exception", exit -6), which ended the job.  Only on
+    success: after a failed collective the peers may be gone.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -25,7 +25,7 @@ from .assemble import Run, RunSetup, assemble
 from .checkpoint import Checkpointer, ResumePoint, tag_name
 from .export import export_checkpoint
 from .metrics import MetricsWriter
-from .process_group import is_collective_failure
+from .process_group import close_process_group, is_collective_failure
 from .timing import StepTimer, throughput_meter
 
 STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens")
@@ -192,4 +192,6 @@ def train_loop(run: Run) -> list[dict]:
 
 def train(cfg: TrainConfig) -> list[dict]:
     """The whole job on this rank."""
-    return train_loop(assemble(cfg, "train"))
+    history = train_loop(assemble(cfg, "train"))
+    close_process_group()
+    return history
