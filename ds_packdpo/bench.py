@@ -264,30 +264,43 @@ def precomputed_reference_path(cfg: TrainConfig) -> Path:
     return bench_model_folder(cfg) / "reference_logps.jsonl"
 
 
-def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: int | None = None) -> RunSetup:
-    """Phase one of the bench: every configuration's settings checked before any process group (a configuration the
-    layout cannot run is refused here, not after the others were measured); returns the first one's set-up."""
+@dataclass
+class BenchPlan:
+    """Phase one of a bench: the settings with the measured model, and each configuration's checked set-up."""
+
+    cfg: TrainConfig
+    first: RunSetup  # the base settings' set-up: layout, tokenizer, device for the report
+    setups: dict[str, RunSetup | None]  # None: the precomputed-reference configuration, prepared once its file exists
+
+
+def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: int | None = None) -> BenchPlan:
+    """Phase one of the bench: every configuration checked with the model it will measure, before any process group
+    (a configuration the layout cannot run is refused here, not after the others were measured)."""
     first = prepare(cfg, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
+    cfg = bench_model_config(cfg, settings, first.vocab_size, bench_model_folder(cfg))
+    setups = {}
     for name in settings.configurations:
-        if CONFIGURATIONS[name].get("ref_logps") != PRECOMPUTED:  # its file does not exist yet
-            try:
-                prepare(configuration_config(cfg, name), "bench", world_size)
-            except InputError as error:
-                raise InputError(f"--configurations {name}: {error}") from None
-    return first
+        if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:  # its file does not exist yet
+            setups[name] = None
+            continue
+        try:
+            setups[name] = prepare(configuration_config(cfg, name), "bench", world_size)
+        except InputError as error:
+            raise InputError(f"--configurations {name}: {error}") from None
+    return BenchPlan(cfg, first, setups)
 
 
 def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dict | None:
     """The whole bench on this rank; rank 0 writes the report folder and returns the report."""
-    first = check_configurations(cfg, settings)
-    cfg = bench_model_config(cfg, settings, first.vocab_size, bench_model_folder(cfg))
+    plan = check_configurations(cfg, settings)
+    cfg, first = plan.cfg, plan.first
     runs = {}
-    for name in settings.configurations:
-        if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:
+    for name, setup in plan.setups.items():
+        if setup is None:
             precompute(dataclasses.replace(cfg, overwrite=True), str(precomputed_reference_path(cfg)))  # untimed
-        runs[name] = measure_configuration(name, prepare(configuration_config(cfg, name), "bench"),
-                                           settings.bench_warmup_steps)
+            setup = prepare(configuration_config(cfg, name), "bench")
+        runs[name] = measure_configuration(name, setup, settings.bench_warmup_steps)
     if first.layout.rank != 0:
         return None
     report = build_report(
