@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import shlex
 import statistics
@@ -36,7 +35,6 @@ from filelock import FileLock
 
 from .config import TrainConfig, add_arguments, config_from_args, to_dict
 from .data.plan import iter_plan, steps_per_epoch
-from .data.prepare import DEFAULT_CACHE_DIR
 from .errors import InputError, run_guarded
 from .model.build import tiny_config
 from .model.flops import plan_attention_sq
@@ -134,7 +132,7 @@ def bench_model_config(cfg: TrainConfig, settings: BenchSettings, vocab_size: in
 
 
 def bench_model_folder(cfg: TrainConfig) -> Path:
-    return Path(os.path.expanduser(cfg.cache_dir or DEFAULT_CACHE_DIR)) / "bench_models"
+    return cfg.data_config().cache_path / "bench_models"
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -79,6 +79,11 @@ class DataConfig:
             if value is not None and value < 1:
                 raise InputError(f"{key} must be >= 1, got {value}")
 
+    @property
+    def cache_path(self) -> Path:
+        """The cache folder (``cache_dir``, or the default under the home folder), user-expanded."""
+        return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+
     @classmethod
     def from_settings(cls, settings, **overrides) -> DataConfig:
         """The data fields of any settings object with the same attribute names (e.g. the run's TrainConfig)."""
@@ -536,7 +541,7 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     bytes' hash leads to the tokenized cache and the validation summary of the first call (so the other
     ranks of a node, after the first, only hash the file and open the cache).
     """
-    cache_dir = Path(cfg.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    cache_dir = cfg.cache_path
     cache_dir.mkdir(parents=True, exist_ok=True)
     source = _source_key(cfg, tokenizer) if rows is None else None
     index = cache_dir / f"source-{source}.json" if source else None

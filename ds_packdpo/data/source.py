@@ -6,12 +6,11 @@ prepare, pack-stats), so they all see the same pairs for the same settings.  No 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from filelock import FileLock
 
 from ..errors import InputError
-from .prepare import DEFAULT_CACHE_DIR, PreparedPairs, prepare_pairs
+from .prepare import PreparedPairs, prepare_pairs
 from .synthetic import default_tokenizer, synthetic_preference_rows
 from .tokenizer import load_tokenizer
 
@@ -31,7 +30,7 @@ def prepare_run_data(cfg, tokenizer, rows: list[dict] | None) -> PreparedPairs:
     """The run's tokenized pairs, tokenized once per node: the first process to take the lock fills the cache,
     the others then read it."""
     data_cfg = cfg.data_config()
-    cache_dir = Path(data_cfg.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    cache_dir = data_cfg.cache_path
     cache_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache_dir / "prepare.lock")):
         prepared = prepare_pairs(data_cfg, tokenizer, rows=rows)
