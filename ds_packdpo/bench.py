@@ -2,7 +2,8 @@
 
 One rank of ``deepspeed --num_gpus N --module ds_packdpo.bench <train flags> --out DIR``
 (or any launcher the trainer runs under).  For every named configuration in turn
-(``packed``, ``padded``, ... see :data:`CONFIGURATIONS`) it builds fresh engines with
+(``packed`` -- prefix-shared, the default --, ``packed-no-prefix-sharing``, ``padded``, ...
+see :data:`CONFIGURATIONS`) it builds fresh engines with
 the same seed, runs ``--bench-warmup-steps`` optimizer steps unmeasured and then
 ``--max-steps`` measured ones through the trainer's own ``DPOTrainer.train_step``,
 and frees the engines before the next configuration.  Rank 0 then writes the report
@@ -37,7 +38,6 @@ from .config import TrainConfig, add_arguments, config_from_args, to_dict
 from .data.plan import iter_plan, steps_per_epoch
 from .errors import InputError, run_guarded
 from .model.build import tiny_config
-from .model.flops import plan_attention_sq
 from .precompute_ref import precompute
 from .report import build_report, write_report_folder
 from .run.assemble import RunSetup, prepare, start
@@ -49,15 +49,17 @@ from .run.trainer import DPOTrainer
 # A configuration is a name and the TrainConfig fields it overrides; add one here and it can be
 # measured with --configurations.  "packed" and "padded" give the report's speedup.
 CONFIGURATIONS: dict[str, dict] = {
-    "packed": {"packing": True},
+    "packed": {"packing": True},  # each pair's prompt once (prefix sharing, the default)
+    "packed-no-prefix-sharing": {"packing": True, "prefix_sharing": False},  # packing alone: every prompt twice
     "padded": {"packing": False},
-    "packed-sdpa-dense": {"packing": True, "attn": "sdpa"},  # the dense block-diagonal mask
+    # the dense block-diagonal mask (of packing alone: sdpa's masks cannot share prefixes)
+    "packed-sdpa-dense": {"packing": True, "attn": "sdpa", "prefix_sharing": False},
     "packed-plain-logps": {"packing": True, "logps_impl": "plain"},  # the whole [tokens x vocab] logits
     # No reference engine: its log-probs come from a file that precompute-ref writes first (not timed).
     "packed-precomputed-ref": {"packing": True, "ref_logps": "precomputed"},
 }
 PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
-DEFAULT_CONFIGURATIONS = "packed,padded"
+DEFAULT_CONFIGURATIONS = "packed,packed-no-prefix-sharing,padded"
 DEFAULT_MEASURED_STEPS = 4
 
 
@@ -151,7 +153,8 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
         timer = StepTimer()
         steps = []
         # Every rank holds the whole plan, so rank 0's records carry every data-parallel share's load.
-        for index, plan in enumerate(iter_plan(*lengths, setup.plan_cfg, cfg.epochs)):
+        plans = iter_plan(*lengths, setup.plan_cfg, cfg.epochs, prompt_lengths=setup.prepared.prompt_lengths)
+        for index, plan in enumerate(plans):
             if index >= warmup_steps + cfg.max_steps:
                 break
             timer.begin()
@@ -162,9 +165,10 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
             steps.append({
                 "step": index + 1, "step_time_s": seconds, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                 "pairs": metrics["pairs"], "real_tokens": metrics["tokens"],
-                "computed_tokens": metrics["computed_tokens"], "rows_per_rank": metrics["rows_per_rank"],
+                "computed_tokens": metrics["computed_tokens"], "prompt_tokens_shared": metrics["prompt_tokens_shared"],
+                "rows_per_rank": metrics["rows_per_rank"],
                 "rank_tokens": list(plan.rank_tokens), "rank_computed_tokens": list(plan.rank_computed_tokens),
-                "attention_sq": plan_attention_sq(plan, *lengths, cfg.packing), "flops": meter.step_flops(plan),
+                "attention_sq": meter.attention_sq(plan), "flops": meter.step_flops(plan),
                 "row_fill": [row.tokens / setup.plan_cfg.max_tokens_per_row for rows in plan.ranks for row in rows
                              if row.pairs],
                 "sequence_lengths": [int(lengths[k][p]) for p in plan.pairs for k in (0, 1)],
@@ -187,6 +191,7 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
     total_time = sum(s["step_time_s"] for s in steps)
     real = sum(s["real_tokens"] for s in steps)
     computed = sum(s["computed_tokens"] for s in steps)
+    shared = sum(s["prompt_tokens_shared"] for s in steps)
     pairs = sum(s["pairs"] for s in steps)
     flops = sum(s["flops"] for s in steps)
     times = [s["step_time_s"] for s in steps]
@@ -206,8 +211,9 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
                         "min": min(times), "max": max(times)},
         "real_tokens": real,
         "computed_tokens": computed,
+        "prompt_tokens_shared": shared,
         "pairs": pairs,
-        "utilization": real / computed,
+        "utilization": (real - shared) / computed,
         "rank_load_max_over_mean": max(balance),
         "rank_load_max_over_mean_mean": sum(balance) / len(balance),
         "rows_per_rank_mean": sum(s["rows_per_rank"] for s in steps) / len(steps),
@@ -309,7 +315,8 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
                   "configurations": settings.configurations, "row_budget": cfg.row_budget},
         runs=runs)
     write_report_folder(report, Path(settings.out), overwrite=cfg.overwrite)
-    print(json.dumps({k: report[k] for k in ("speedup", "ideal_speedup", "speedup_over_ideal")}))
+    print(json.dumps({k: report[k] for k in ("speedup", "ideal_speedup", "speedup_over_ideal", "prefix_sharing_speedup",
+                                             "prefix_sharing_ideal_speedup")}))
     return report
 
 

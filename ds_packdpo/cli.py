@@ -127,10 +127,10 @@ def cmd_pack_stats(argv: list[str]) -> int:
         prepared = prepare_run_data(cfg, tokenizer, rows)
         plan_cfg = checked_plan_config(cfg, layout, prepared)
         lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
-        stats = pack_stats(*lengths, plan_cfg, epochs=cfg.epochs)
+        stats = pack_stats(*lengths, plan_cfg, epochs=cfg.epochs, prompt_lengths=prepared.prompt_lengths)
         if args.plan_out:
-            write_plan_jsonl(iter_plan(*lengths, plan_cfg, cfg.epochs), args.plan_out,
-                             pair_ids=prepared.dataset["pair_id"])
+            write_plan_jsonl(iter_plan(*lengths, plan_cfg, cfg.epochs, prompt_lengths=prepared.prompt_lengths),
+                             args.plan_out, pair_ids=prepared.dataset["pair_id"])
         print(json.dumps({"dataset": cfg.dataset or "synthetic", "layout": layout.as_dict(), **stats,
                           "data": {k: prepared.summary[k] for k in ("rows", "kept", "dropped")}}, indent=2))
         return 0

@@ -74,6 +74,10 @@ class TrainConfig:
     micro_batch_pairs: int = _opt("Pairs per padded micro-batch (with --no-packing).", 4)
     packing: bool = _opt("Pack pairs padding-free into rows (the default); --no-packing trains on padded micro-batches "
                          "instead (the baseline).", True)
+    prefix_sharing: bool = _opt("Packed rows lay out each pair as [prompt | chosen | rejected], computing its prompt once "
+                                "for both completions (exact: checked at start-up; needs --attn auto, sdpa_varlen or "
+                                "flash_attention_2/3, or sequence parallelism); --no-prefix-sharing runs every prompt "
+                                "twice. Only packed rows share prefixes.", True)
     drop_last: bool = _opt("Drop the last incomplete step of every epoch.", False)
     attention_weight: float = _opt("Balance ranks on tokens + W * sum of squared sequence lengths.", 0.0)
     epochs: int = _opt("Passes over the data.", 1)
@@ -132,6 +136,11 @@ class TrainConfig:
         return max(2 * self.max_length, 2 * self.micro_batch_pairs * self.max_length)
 
     @property
+    def shares_prefixes(self) -> bool:
+        """Rows lay out each pair with its prompt once (packed runs with prefix sharing on)."""
+        return self.packing and self.prefix_sharing
+
+    @property
     def batch_pairs(self) -> int | None:
         if self.global_batch_pairs is None and self.tokens_per_step is None:
             return 64
@@ -151,7 +160,7 @@ class TrainConfig:
         return PlanConfig(max_tokens_per_row=self.row_budget * layout.sp_size, dp_size=layout.dp_size,
                           seed=self.seed, global_batch_pairs=self.batch_pairs, tokens_per_step=self.tokens_per_step,
                           drop_last=self.drop_last, attention_weight=self.attention_weight, packing=self.packing,
-                          micro_batch_pairs=self.micro_batch_pairs)
+                          micro_batch_pairs=self.micro_batch_pairs, prefix_sharing=self.shares_prefixes)
 
     def loss_config(self):
         """The loss settings (model.losses.LossConfig), validated."""

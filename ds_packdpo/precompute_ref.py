@@ -58,7 +58,7 @@ def precompute(cfg, out: str | None) -> dict | None:
     plan_cfg = dataclasses.replace(setup.plan_cfg, drop_last=False)  # every pair, once
     local = {key: [] for key in RECORD_KEYS}
     lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-    for plan in iter_plan(*lengths, plan_cfg, epochs=1):
+    for plan in iter_plan(*lengths, plan_cfg, epochs=1, prompt_lengths=setup.prepared.prompt_lengths):
         for row in plan.ranks[layout.dp_rank]:
             seqs = run.reference_logps(run.row_batch(row))
             if not layout.counts_metrics:

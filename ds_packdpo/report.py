@@ -29,7 +29,7 @@ from .errors import InputError
 
 matplotlib.use("Agg")  # files only, no display
 
-SCHEMA_VERSION = 2  # 2: the parallel layout, per-step loss and grad norm, the trajectory check
+SCHEMA_VERSION = 3  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing
 NUMBER = (int, float)
 OPTIONAL_NUMBER = (int, float, type(None))
 
@@ -47,9 +47,14 @@ REPORT_SCHEMA = {
     "settings": (dict, "every train setting, plus bench_warmup_steps, configurations, row_budget"),
     "runs": (dict, "configuration name -> figures (RUN_SCHEMA); 'packed' and 'padded' by default"),
     "speedup": (OPTIONAL_NUMBER, "runs.packed.tokens_per_s / runs.padded.tokens_per_s (null without both)"),
-    "ideal_speedup": (OPTIONAL_NUMBER, "runs.padded.computed_tokens / runs.padded.real_tokens: the speedup if time "
-                                       "were proportional to computed tokens"),
+    "ideal_speedup": (OPTIONAL_NUMBER, "runs.padded.computed_tokens / runs.packed.computed_tokens: the speedup if time "
+                                       "were proportional to computed tokens (null without both)"),
     "speedup_over_ideal": (OPTIONAL_NUMBER, "speedup / ideal_speedup"),
+    "prefix_sharing_speedup": (OPTIONAL_NUMBER, "runs.packed.pairs_per_s / runs['packed-no-prefix-sharing'].pairs_per_s:"
+                                                " what computing each prompt once adds to packing (null without both)"),
+    "prefix_sharing_ideal_speedup": (OPTIONAL_NUMBER, "runs['packed-no-prefix-sharing'].computed_tokens / "
+                                                      "runs.packed.computed_tokens: tokens without sharing / tokens "
+                                                      "with (null without both)"),
     "loss_max_rel_diff": (OPTIONAL_NUMBER, "largest |loss - first configuration's loss| / |first's| over the measured "
                                            "steps: every configuration trains the same pairs, so this is rounding "
                                            "(null with one configuration)"),
@@ -71,9 +76,13 @@ RUN_SCHEMA = {
     "computed_tokens_per_s": (NUMBER, "tokens run through the model per second, padding included"),
     "step_time_s": (dict, "median, p90, mean, min, max of the step wall time (slowest rank per step)"),
     "real_tokens": (int, "real tokens of the measured steps"),
-    "computed_tokens": (int, "computed tokens of the measured steps, padding included"),
+    "computed_tokens": (int, "tokens the model ran in the measured steps, padding included, a shared prompt once"),
+    "prompt_tokens_shared": (int, "prompt tokens not run a second time: each pair's prompt computed once for both "
+                                  "completions (0 without prefix sharing); real_tokens - prompt_tokens_shared + "
+                                  "padding = computed_tokens"),
     "pairs": (int, "pairs of the measured steps"),
-    "utilization": (NUMBER, "real_tokens / computed_tokens"),
+    "utilization": (NUMBER, "(real_tokens - prompt_tokens_shared) / computed_tokens: the share of computed tokens "
+                            "that are not padding"),
     "rank_load_max_over_mean": (NUMBER, "worst step's max/mean computed tokens per rank (1.0 = perfectly balanced)"),
     "rank_load_max_over_mean_mean": (NUMBER, "the same, averaged over the measured steps"),
     "rows_per_rank_mean": (NUMBER, "forward passes (rows or micro-batches) per rank per step"),
@@ -84,10 +93,11 @@ RUN_SCHEMA = {
     "model_tflops_per_s": (NUMBER, "model_flops / measured time / 1e12, all ranks"),
     "mfu": (OPTIONAL_NUMBER, "model_tflops_per_s / (peak_tflops x world_size); null without --peak-tflops"),
     "steps": (list, "per measured step: step, step_time_s, loss, grad_norm, pairs, real_tokens, computed_tokens, "
-                    "rows_per_rank, rank_tokens and rank_computed_tokens (per data-parallel share), attention_sq, "
-                    "flops, row_fill, sequence_lengths"),
+                    "prompt_tokens_shared, rows_per_rank, rank_tokens and rank_computed_tokens (per data-parallel "
+                    "share; a shared prompt once), attention_sq, flops, row_fill, sequence_lengths"),
 }
 PLOTS = ("tokens_per_s.png", "rank_load.png", "lengths.png")
+UNSHARED = "packed-no-prefix-sharing"  # packing alone: the baseline of prefix sharing
 
 
 def _ratio(numerator, denominator):
@@ -107,9 +117,11 @@ def loss_max_rel_diff(runs: dict) -> float | None:
 def build_report(command: str, layout: dict, dataset: str, model: dict, environment: dict, settings: dict,
                  runs: dict) -> dict:
     """``layout``: the run's ParallelLayout.as_dict() (world_size, dp_size, sp_size)."""
-    packed, padded = runs.get("packed"), runs.get("padded")
+    packed, padded, unshared = runs.get("packed"), runs.get("padded"), runs.get(UNSHARED)
     speedup = _ratio(packed["tokens_per_s"], padded["tokens_per_s"]) if packed and padded else None
-    ideal = _ratio(padded["computed_tokens"], padded["real_tokens"]) if padded else None
+    ideal = _ratio(padded["computed_tokens"], packed["computed_tokens"]) if packed and padded else None
+    sharing = _ratio(packed["pairs_per_s"], unshared["pairs_per_s"]) if packed and unshared else None
+    sharing_ideal = _ratio(unshared["computed_tokens"], packed["computed_tokens"]) if packed and unshared else None
     diff = loss_max_rel_diff(runs)
     same = None if diff is None else diff <= SAME_TRAJECTORY_RTOL[settings["dtype"]]
     return {
@@ -119,6 +131,7 @@ def build_report(command: str, layout: dict, dataset: str, model: dict, environm
         "environment": environment, "settings": settings, "runs": runs,
         "speedup": speedup, "ideal_speedup": ideal, "speedup_over_ideal": _ratio(speedup, ideal),
         "loss_max_rel_diff": diff, "same_trajectory": same,
+        "prefix_sharing_speedup": sharing, "prefix_sharing_ideal_speedup": sharing_ideal,
     }
 
 
@@ -229,14 +242,26 @@ def render_markdown(report: dict) -> str:
         f"{settings['global_batch_pairs']} pairs per step, padded micro-batch {settings['micro_batch_pairs']} pairs, "
         f"{settings['dtype']}, `{settings['ds_config']}`, {settings['bench_warmup_steps']} warm-up + "
         f"{settings['max_steps']} measured steps per configuration.\n",
-        f"**speedup (packed / padded tokens/s): {_fmt(report['speedup'])}**, ideal speedup (padded computed / real "
+        f"**speedup (packed / padded tokens/s): {_fmt(report['speedup'])}**, ideal speedup (padded / packed computed "
         f"tokens): {_fmt(report['ideal_speedup'])}, speedup / ideal: {_fmt(report['speedup_over_ideal'])}.\n",
+        _prefix_sharing_line(report),
         _table([c for c, _ in RUN_COLUMNS], [[get(r) for _, get in RUN_COLUMNS] for r in runs]),
         _trajectory_line(report),
         f"\nCommand: `{report['command']}`\n",
         "\n" + "".join(f"![{p}]({p})\n" for p in PLOTS),
     ]
     return "\n".join(text)
+
+
+def _prefix_sharing_line(report: dict) -> str:
+    """What computing each prompt once adds to packing, next to its ideal."""
+    if report["prefix_sharing_speedup"] is None:
+        return f"Prefix sharing: no `packed` and `{UNSHARED}` pair of runs to compare.\n"
+    shared = report["runs"]["packed"]["prompt_tokens_shared"]
+    return (f"**prefix sharing (packed / {UNSHARED} pairs/s): {_fmt(report['prefix_sharing_speedup'])}**, ideal "
+            f"{_fmt(report['prefix_sharing_ideal_speedup'])} (tokens without sharing / with: {shared:,} prompt tokens "
+            f"not run twice); the gap is what does not scale with tokens (collectives, optimizer, per-pair kernel "
+            f"calls).\n")
 
 
 def _trajectory_line(report: dict) -> str:
@@ -273,6 +298,9 @@ def plot_report(report: dict, folder: Path) -> None:
     ax.set_xticks(list(x), names)
     ax.set_ylabel("tokens / s (all ranks)")
     subtitle = f"speedup {_fmt(report['speedup'])}, ideal {_fmt(report['ideal_speedup'])}" if report["speedup"] else ""
+    if report["prefix_sharing_speedup"]:
+        subtitle += (f"; prefix sharing {_fmt(report['prefix_sharing_speedup'])} (pairs/s), ideal "
+                     f"{_fmt(report['prefix_sharing_ideal_speedup'])}")
     ax.set_title(f"Throughput: {title}\n{subtitle}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()

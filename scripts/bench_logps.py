@@ -60,7 +60,7 @@ def child(args) -> dict:
             seqs = sequence_logps(head(hidden), labels, seq_index, sequences, args.chunk_tokens)
         else:
             rows, token_logps, mean_logit = lean_token_logps(hidden, labels, head, args.chunk_tokens)
-            seqs = _per_sequence(rows, token_logps, mean_logit, seq_index, sequences)
+            seqs = _per_sequence(seq_index.reshape(-1)[rows], token_logps, mean_logit, sequences)
         (seqs.logps * torch.linspace(-1, 1, sequences)).sum().backward()
         hidden.grad = head.weight.grad = None
 

@@ -45,8 +45,8 @@ def test_pack_stats_plans_exactly_what_training_runs_under_sequence_parallelism(
                                       "--output-dir", str(tmp_path / "out")]), "train", world_size=4)
     assert (setup.layout.dp_size, setup.layout.sp_size, setup.plan_cfg.max_tokens_per_row) == (2, 2, 200)
     lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-    planned = [(plan.step, rank, list(row.pairs)) for plan in iter_plan(*lengths, setup.plan_cfg, 1)
-               for rank, rows in enumerate(plan.ranks) for row in rows]
+    plans = iter_plan(*lengths, setup.plan_cfg, 1, prompt_lengths=setup.prepared.prompt_lengths)
+    planned = [(plan.step, rank, list(row.pairs)) for plan in plans for rank, rows in enumerate(plan.ranks) for row in rows]
     pair_ids = setup.prepared.dataset["pair_id"]
     assert [(r["step"], r["rank"], r["pairs"]) for r in _plan_lines(sp2)] == [
         (step, rank, [pair_ids[i] for i in pairs]) for step, rank, pairs in planned]

@@ -36,6 +36,10 @@ def test_attention_term_is_sum_of_squares_packed_and_rows_times_width_squared_pa
     assert row_attention_sq((0, 2), chosen, rejected, packed=True) == 3**2 + 4**2 + 5**2 + 7**2
     assert row_attention_sq((0, 2), chosen, rejected, packed=False) == 4 * 7**2  # 4 rows padded to 7
     assert row_attention_sq((), chosen, rejected, packed=True) == 1  # the dummy row
+    # prefix sharing: (P + C)^2 for prompt + chosen, R (P + R) for the rejected queries against prompt + rejected keys
+    prompt = [2, 1, 3]
+    assert row_attention_sq((0, 2), chosen, rejected, True, prompt, prefix_sharing=True) == 3**2 + 3 * 5 + 4**2 + 4 * 7
+    assert row_attention_sq((0, 2), chosen, rejected, False, prompt, prefix_sharing=True) == 4 * 7**2
 
 
 def test_throughput_figures_mfu_only_with_a_peak():
@@ -76,7 +80,7 @@ def launch_bench(root, name: str, configurations: str, *flags: str):
 @pytest.fixture(scope="module")
 def bench_folder(tmp_path_factory):
     return launch_bench(tmp_path_factory.mktemp("bench"), "tiny",
-                        "packed,padded,packed-plain-logps,packed-precomputed-ref")
+                        "packed,padded,packed-plain-logps,packed-precomputed-ref,packed-no-prefix-sharing")
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +106,10 @@ def test_bench_report_is_consistent(bench_folder):
     # the same pairs in the same steps, laid out differently
     assert packed["real_tokens"] == padded["real_tokens"] and packed["pairs"] == padded["pairs"] == 2 * 8
     assert [s["sequence_lengths"] for s in packed["steps"]] == [s["sequence_lengths"] for s in padded["steps"]]
-    assert packed["computed_tokens"] == packed["real_tokens"] and packed["utilization"] == 1.0
+    # packed shares each pair's prompt: it computes real tokens less the prompts, none of them padding
+    assert 0 < packed["prompt_tokens_shared"] < packed["real_tokens"] // 2 and padded["prompt_tokens_shared"] == 0
+    assert packed["computed_tokens"] == packed["real_tokens"] - packed["prompt_tokens_shared"]
+    assert packed["utilization"] == 1.0
     assert padded["computed_tokens"] > padded["real_tokens"] and padded["utilization"] < 1.0
     for run_ in (packed, padded):
         steps = run_["steps"]
@@ -113,18 +120,20 @@ def test_bench_report_is_consistent(bench_folder):
         assert run_["step_time_s"]["median"] == pytest.approx(statistics.median(s["step_time_s"] for s in steps))
         assert run_["step_time_s"]["min"] <= run_["step_time_s"]["median"] <= run_["step_time_s"]["p90"] <= run_["step_time_s"]["max"]
         for step in steps:
-            assert sum(step["rank_tokens"]) == step["real_tokens"] and sum(step["rank_computed_tokens"]) == step["computed_tokens"]
-            assert step["computed_tokens"] >= step["real_tokens"] and len(step["rank_tokens"]) == 2
+            laid_out = step["real_tokens"] - step["prompt_tokens_shared"]
+            assert sum(step["rank_tokens"]) == laid_out and sum(step["rank_computed_tokens"]) == step["computed_tokens"]
+            assert step["computed_tokens"] >= laid_out and len(step["rank_tokens"]) == 2
         assert run_["rank_load_max_over_mean"] >= 1.0 and len(run_["peak_mem_mb_per_rank"]) == 2
         assert run_["peak_mem_kind"] == "rss" and 50 < run_["peak_mem_mb"] < 20_000 and run_["mfu"] is None
     assert report["speedup"] == pytest.approx(packed["tokens_per_s"] / padded["tokens_per_s"])
-    assert report["ideal_speedup"] == pytest.approx(padded["computed_tokens"] / padded["real_tokens"])
+    assert report["ideal_speedup"] == pytest.approx(padded["computed_tokens"] / packed["computed_tokens"])
     assert report["speedup_over_ideal"] == pytest.approx(report["speedup"] / report["ideal_speedup"])
     # the analytic FLOPs are the formula applied to the model the bench built
     model = report["model"]
     flop_model = FlopModel.of(build_model(None, "tiny", model["vocab_size"], torch.float32, "sdpa"), with_reference=True)
-    for step in packed["steps"]:
-        assert step["attention_sq"] == sum(n * n for n in step["sequence_lengths"])
+    unshared = report["runs"]["packed-no-prefix-sharing"]
+    for step, shared_step in zip(unshared["steps"], packed["steps"]):
+        assert step["attention_sq"] == sum(n * n for n in step["sequence_lengths"]) > shared_step["attention_sq"]
     for run_ in (packed, padded):
         for step in run_["steps"]:
             assert step["flops"] == pytest.approx(step_flops(flop_model, step["computed_tokens"], step["attention_sq"]))
@@ -140,14 +149,25 @@ def test_bench_report_is_consistent(bench_folder):
 
 @pytest.mark.multirank
 def test_plain_logps_and_precomputed_reference_configurations(bench_folder):
-    """The issue-8 configurations measure the same steps; the precomputed one runs no reference forward."""
+    """The issue-8 configurations measure the same steps; the precomputed one runs no reference forward.  So does
+    packing without prefix sharing, whose every prompt runs twice: the report sets the speedup of sharing against
+    its ideal."""
     report = read_report(bench_folder)
     runs = report["runs"]
     packed, plain, precomputed = runs["packed"], runs["packed-plain-logps"], runs["packed-precomputed-ref"]
+    unshared = runs["packed-no-prefix-sharing"]
     assert plain["overrides"] == {"packing": True, "logps_impl": "plain"}
-    for other in (plain, precomputed):
+    assert unshared["overrides"] == {"packing": True, "prefix_sharing": False}
+    for other in (plain, precomputed, unshared):
         assert [s["sequence_lengths"] for s in other["steps"]] == [s["sequence_lengths"] for s in packed["steps"]]
-        assert other["real_tokens"] == other["computed_tokens"] == packed["real_tokens"]
+        assert other["real_tokens"] == packed["real_tokens"]
+    for other in (plain, precomputed):
+        assert other["computed_tokens"] == packed["computed_tokens"] < unshared["computed_tokens"]
+    assert unshared["prompt_tokens_shared"] == 0 and unshared["computed_tokens"] == unshared["real_tokens"]
+    assert report["prefix_sharing_speedup"] == pytest.approx(packed["pairs_per_s"] / unshared["pairs_per_s"])
+    assert report["prefix_sharing_ideal_speedup"] == pytest.approx(
+        unshared["computed_tokens"] / packed["computed_tokens"]) > 1
+    assert f"ideal {report['prefix_sharing_ideal_speedup']:.3g}" in (bench_folder / "report.md").read_text()
     without_reference = FlopModel.of(build_model(None, "tiny", report["model"]["vocab_size"], torch.float32, "sdpa"),
                                      with_reference=False)
     for step in precomputed["steps"]:
@@ -233,7 +253,7 @@ def test_merge_of_two_bench_folders(bench_folder, tmp_path):
     assert merged["entries"] == merge_reports([str(bench_folder), str(other)])["entries"]
     entries = {(e["source"], e["configuration"]): e for e in merged["entries"]}
     configurations = len(changed["runs"])
-    assert configurations == 4 and len(entries) == 2 * configurations and entries[(str(other), "packed")]["world_size"] == 4
+    assert configurations == 5 and len(entries) == 2 * configurations and entries[(str(other), "packed")]["world_size"] == 4
     assert entries[(str(other), "packed")]["sp_size"] == 1
     assert entries[(str(other), "packed")]["tokens_per_s"] == 2 * entries[(str(bench_folder), "packed")]["tokens_per_s"]
     assert (out / "report.md").read_text().count("| padded |") == 2

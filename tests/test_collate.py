@@ -1,4 +1,5 @@
-"""Collation: exact tensors on a hand example, packed/padded agreement on random pairs, dummy rows, vectorization."""
+"""Collation: exact tensors on hand examples, packed/prefix-shared/padded agreement on random pairs, dummy rows,
+vectorization."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ds_packdpo.model.collate as collate_module
-from ds_packdpo.model.collate import ModelBatch, collate_packed, collate_padded
+from ds_packdpo.model.collate import ModelBatch, PrefixLayout, collate_packed, collate_padded, collate_shared
 from ds_packdpo.errors import InputError
+from ds_packdpo.model.logps import scored_tokens as scored_positions
 
 PAD = 0
 X = -100
@@ -40,6 +42,23 @@ def test_packed_hand_example():
     assert all(t.dtype == torch.long for t in (batch.input_ids, batch.position_ids, batch.labels, batch.seq_index))
 
 
+def test_shared_hand_example():
+    batch = collate_shared(HAND_PAIRS, [7, 3], PAD)
+    # p0 c0 r0 = 11 12 | 13 14 | 15,  p1 c1 r1 = 21 | 22 | 23 24 25: every prompt once
+    assert batch.input_ids.tolist() == [[11, 12, 13, 14, 15, 21, 22, 23, 24, 25]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 1, 2, 3]]  # rejected continues from the prompt
+    # the prompt's last position predicts the first token of both completions: chosen in labels, rejected in fork_labels
+    assert batch.labels.tolist() == [[X, 13, 14, X, X, 22, X, 24, 25, X]]
+    assert batch.fork_labels.tolist() == [[X, 15, X, X, X, 23, X, X, X, X]]
+    assert batch.seq_index.tolist() == [[0, 0, 0, 0, 1, 2, 2, 3, 3, 3]]
+    assert batch.prefix_layout == PrefixLayout(((2, 2, 1), (1, 1, 3)))
+    assert batch.cu_seqlens.tolist() == [0, 5, 10] and batch.max_seqlen == 5  # the pair blocks
+    assert (batch.real_tokens, batch.computed_tokens, batch.prompt_tokens_shared) == (13, 10, 3)
+    rows, targets, seq = scored_positions(batch)
+    assert sorted(zip(seq.tolist(), rows.tolist(), targets.tolist())) == [
+        (0, 1, 13), (0, 2, 14), (1, 1, 15), (2, 5, 22), (3, 5, 23), (3, 7, 24), (3, 8, 25)]
+
+
 def test_padded_hand_example():
     batch = collate_padded(HAND_PAIRS, [7, 3], PAD)
     # rows: chosen of pair 0, chosen of pair 1, rejected of pair 0, rejected of pair 1
@@ -52,7 +71,7 @@ def test_padded_hand_example():
     assert (batch.num_pairs, batch.real_tokens, batch.computed_tokens) == (2, 13, 16)
 
 
-@pytest.mark.parametrize("collate, packed", [(collate_packed, True), (collate_padded, False)])
+@pytest.mark.parametrize("collate, packed", [(collate_packed, True), (collate_shared, True), (collate_padded, False)])
 def test_dummy_row(collate, packed):
     batch = collate([], [], pad_token_id=5)
     assert batch.input_ids.tolist() == [[5]] and batch.position_ids.tolist() == [[0]]
@@ -72,9 +91,9 @@ random_pairs = st.lists(st.fixed_dictionaries({"prompt_ids": token_lists, "chose
 
 def scored_tokens(batch: ModelBatch) -> Counter:
     """Multiset of (sequence, position, input token, label) over every scored position."""
-    keep = batch.labels != X
-    return Counter(zip(batch.seq_index[keep].tolist(), batch.position_ids[keep].tolist(),
-                       batch.input_ids[keep].tolist(), batch.labels[keep].tolist()))
+    rows, targets, seq = scored_positions(batch)
+    return Counter(zip(seq.tolist(), batch.position_ids.reshape(-1)[rows].tolist(),
+                       batch.input_ids.reshape(-1)[rows].tolist(), targets.tolist()))
 
 
 @settings(max_examples=100, deadline=None)
@@ -82,7 +101,12 @@ def scored_tokens(batch: ModelBatch) -> Counter:
 def test_packed_and_padded_score_the_same_tokens(pairs):
     indices = list(range(10, 10 + len(pairs)))
     packed, padded = collate_packed(pairs, indices, PAD), collate_padded(pairs, indices, PAD)
-    assert scored_tokens(packed) == scored_tokens(padded)
+    shared = collate_shared(pairs, indices, PAD)
+    # every layout predicts the same (sequence, position, token) -> target, the shared one with each prompt once
+    assert scored_tokens(packed) == scored_tokens(padded) == scored_tokens(shared)
+    prompts = sum(len(p["prompt_ids"]) for p in pairs)
+    assert shared.computed_tokens == packed.computed_tokens - prompts == shared.prefix_layout.tokens
+    assert shared.real_tokens == packed.real_tokens and shared.prompt_tokens_shared == prompts
     completions = sum(len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
     assert sum(scored_tokens(packed).values()) == completions  # every completion token is predicted exactly once
     lengths = [len(p["prompt_ids"]) + len(p[k]) for p in pairs for k in ("chosen_ids", "rejected_ids")]
@@ -107,9 +131,13 @@ def test_inputs_as_arrays_and_device_move():
         assert torch.equal(batch.input_ids, reference.input_ids) and torch.equal(batch.labels, reference.labels)
 
 
-def test_empty_completion_is_refused():
-    with pytest.raises(InputError, match="^pair 4: 'rejected_ids' is empty"):
-        collate_packed([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": []}], [4], PAD)
+@pytest.mark.parametrize("collate", [collate_packed, collate_shared, collate_padded])
+def test_empty_completion_scores_nothing_and_empty_prompt_is_refused(collate):
+    pairs = [{"prompt_ids": [1, 5], "chosen_ids": [2, 3], "rejected_ids": []},
+             {"prompt_ids": [6], "chosen_ids": [], "rejected_ids": [7]}]
+    assert scored_tokens(collate(pairs, [4, 5], PAD)) == Counter({(0, 1, 5, 2): 1, (0, 2, 2, 3): 1, (3, 0, 6, 7): 1})
+    with pytest.raises(InputError, match="^pair 4: 'prompt_ids' is empty"):
+        collate([{"prompt_ids": [], "chosen_ids": [2], "rejected_ids": [3]}], [4], PAD)
 
 
 def test_no_python_loop_per_token():
@@ -132,6 +160,7 @@ def test_no_python_loop_per_token():
         sys.settrace(tracer)
         try:
             collate_packed(pairs, [0, 1, 2], PAD)
+            collate_shared(pairs, [0, 1, 2], PAD)
             collate_padded(pairs, [0, 1, 2], PAD)
         finally:
             sys.settrace(None)

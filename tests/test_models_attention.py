@@ -218,7 +218,11 @@ def test_run_check_reports_json_and_ok(model_and_tokenizer_folders):
     assert result["ok"] and result["attn"] == "sdpa_varlen" and result["requested_attn"] == "auto"
     assert result["dataset"] == "synthetic" and result["pairs"] == 3
     assert json.loads(json.dumps(result)) == result
-    assert run_check(model_dir, tok_dir, attn="eager", pairs=1, dtype="bf16")["ok"]
+    # sdpa_varlen runs prefix-shared rows: check compares those with each sequence alone too
+    shared = result["prefix_sharing"]
+    assert shared["ok"] and shared["layout"] == "shared-prefix" and shared["max_abs_diff_logps"] <= 1e-5
+    eager = run_check(model_dir, tok_dir, attn="eager", pairs=1, dtype="bf16")
+    assert eager["ok"] and eager["prefix_sharing"] is None  # eager's masks cannot share prefixes: packing alone
 
 
 def test_run_check_not_ok_for_a_cross_attending_model(model_and_tokenizer_folders, monkeypatch):

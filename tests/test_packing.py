@@ -356,3 +356,42 @@ def test_pack_stats_warns_when_ranks_idle(tmp_path, capsys):
                          "--max-length", "128", "--cache-dir", str(tmp_path / "cache")]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["dp_size"] == 4 and stats["dummy_rows"] > 0  # the idle ranks' dummy rows
+
+
+@PROPERTY
+@given(planning_problems(), st.data())
+def test_prefix_sharing_counts_each_prompt_once_and_keeps_the_steps(problem, data):
+    """Rows hold P + C + R tokens per pair; the steps' pairs, and so the trajectory, are those without sharing."""
+    chosen, rejected, cfg, epochs = problem
+    prompt = np.array([data.draw(st.integers(1, int(min(c, r)))) for c, r in zip(chosen, rejected)], dtype=np.int64)
+    shared_cfg = replace(cfg, prefix_sharing=True)
+    shared = plan(chosen, rejected, shared_cfg, epochs, prompt_lengths=prompt)
+    assert compositions(shared) == compositions(plan(chosen, rejected, cfg, epochs))
+    tokens = chosen + rejected - prompt
+    for p in shared:
+        for rows in p.ranks:
+            for row in rows:
+                if row.pairs:
+                    assert row.tokens == row.computed_tokens == int(tokens[list(row.pairs)].sum())
+                    assert row.tokens <= cfg.max_tokens_per_row
+    p = shared[0]
+    assert plan_step(p.pairs, chosen, rejected, shared_cfg, p.epoch, p.step, prompt_lengths=prompt) == p
+    # a padded plan ignores the setting (padded rows hold whole sequences)
+    padded = replace(shared_cfg, packing=False)
+    assert plan(chosen, rejected, padded, epochs) == plan(chosen, rejected, replace(cfg, packing=False), epochs)
+    with pytest.raises(ValueError, match="prompt lengths"):
+        plan(chosen, rejected, shared_cfg, epochs)
+
+
+def test_prefix_sharing_budget_message_and_pack_stats():
+    chosen, rejected, prompt = np.array([90, 30, 50]), np.array([70, 40, 60]), np.array([60, 10, 45])
+    cfg = PlanConfig(max_tokens_per_row=100, global_batch_pairs=3, prefix_sharing=True)
+    with pytest.raises(InputError, match=r"^pair 0 needs 100 tokens \(prompt 60 \+ chosen 30 \+ rejected 10, the "
+                                         r"prompt shared\) but --max-tokens-per-row is 99; raise"):
+        validate_lengths(chosen, rejected, replace(cfg, max_tokens_per_row=99), prompt_lengths=prompt)
+    stats = pack_stats(chosen, rejected, cfg, prompt_lengths=prompt)
+    assert stats["prefix_sharing"] and stats["sequence_tokens"] == 340 and stats["real_tokens"] == 340 - 115
+    assert stats["prompt_tokens_shared"] == 115 and stats["prefix_sharing_ideal_speedup"] == pytest.approx(340 / 225)
+    assert stats["padded_utilization"] == pytest.approx(340 / stats["padded_computed_tokens"])
+    unshared = pack_stats(chosen, rejected, replace(cfg, prefix_sharing=False, max_tokens_per_row=160))
+    assert unshared["prompt_tokens_shared"] == 0 and unshared["prefix_sharing_ideal_speedup"] == 1.0

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ds_packdpo.model.attention import ULYSSES_ATTN
-from ds_packdpo.model.collate import IGNORE_INDEX, collate_packed
+from ds_packdpo.model.collate import IGNORE_INDEX, PrefixLayout, collate_packed, collate_shared
 from ds_packdpo.errors import InputError
 from ds_packdpo.model.build import tiny_config
 from ds_packdpo.model.guard import synthetic_pairs
@@ -49,6 +49,19 @@ def test_slices_keep_next_token_labels_across_boundaries():
         cu = slices[0].cu_seqlens
         assert cu[-1] == ids.numel() and all(torch.equal(s.cu_seqlens, cu) for s in slices)
         assert torch.equal(cu[:row.cu_seqlens.numel()], row.cu_seqlens)
+
+
+def test_slices_of_a_shared_row_keep_fork_labels_and_the_whole_layout():
+    row = collate_shared(synthetic_pairs(3, vocab_size=128, seed=8, max_tokens=20), [0, 1, 2], PAD)
+    for sp_size in (2, 3):
+        slices = [slice_row(row, sp_size, r, PAD) for r in range(sp_size)]
+        pad = sum(s.input_ids.shape[1] for s in slices) - row.input_ids.shape[1]
+        fork = torch.cat([s.fork_labels for s in slices], dim=1)[0]
+        assert torch.equal(fork[:row.input_ids.shape[1]], row.fork_labels[0]) and (fork[len(fork) - pad:] == -100).all()
+        # every rank attends over the whole padded row: the pad is a block of its own
+        assert all(s.prefix_layout == PrefixLayout(row.prefix_layout.blocks + ((pad, 0, 0),) * bool(pad))
+                   for s in slices)
+        assert slices[0].prefix_layout.tokens == sp_size * slices[0].input_ids.shape[1]
 
 
 def test_segment_sdpa_equals_block_diagonal_attention():
@@ -115,40 +128,47 @@ def _rank_main(rank: int, port: int, results):
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     sp, _ = init_sequence_parallel(ParallelLayout(2, 2, rank), "sdpa", PAD)
     # pairs long enough that sequences straddle the slice boundary; odd total length exercises the padding
-    row = collate_packed(synthetic_pairs(3, vocab_size=128, seed=8, max_tokens=20), [0, 1, 2], PAD)
+    pairs = synthetic_pairs(3, vocab_size=128, seed=8, max_tokens=20)
+    row = collate_packed(pairs, [0, 1, 2], PAD)
+    shared_row = collate_shared(pairs, [0, 1, 2], PAD)  # the same pairs, each prompt once
     out = {}
     for kv_heads in (2, 1):  # 1 KV head < S=2: replicated
         full, split = _model(kv_heads, "sdpa"), _model(kv_heads, ULYSSES_ATTN)
         expected = forward_logps(full, row, "sdpa")
         _loss(expected).backward()
-        got = sp.forward_logps(split, row, ULYSSES_ATTN)
-        _loss(got).backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in split.parameters()])
-        torch.distributed.all_reduce(grads)  # DeepSpeed's reduction sums the ranks' partial gradients
-        out[kv_heads] = {
-            "length": row.input_ids.shape[1],
-            "logps_diff": float((got.logps - expected.logps).abs().max()),
-            "tokens_equal": bool(torch.equal(got.tokens, expected.tokens)),
-            "logits_diff": float((got.logits_sum - expected.logits_sum).abs().max()),
-            "grad_rel": float((grads - torch.cat([p.grad.reshape(-1) for p in full.parameters()])).norm()
-                              / grads.norm()),
-        }
+        full_grads = torch.cat([p.grad.reshape(-1) for p in full.parameters()])
+        for name, batch in (("", row), ("shared_", shared_row)):
+            split.zero_grad(set_to_none=True)
+            got = sp.forward_logps(split, batch, ULYSSES_ATTN)
+            _loss(got).backward()
+            grads = torch.cat([p.grad.reshape(-1) for p in split.parameters()])
+            torch.distributed.all_reduce(grads)  # DeepSpeed's reduction sums the ranks' partial gradients
+            out.setdefault(kv_heads, {}).update({
+                f"{name}length": batch.input_ids.shape[1],
+                f"{name}logps_diff": float((got.logps - expected.logps).abs().max()),
+                f"{name}tokens_equal": bool(torch.equal(got.tokens, expected.tokens)),
+                f"{name}logits_diff": float((got.logits_sum - expected.logits_sum).abs().max()),
+                f"{name}grad_rel": float((grads - full_grads).norm() / grads.norm()),
+            })
     results[rank] = out
 
 
 @pytest.mark.multirank
 def test_ulysses_logps_and_gradients_equal_one_rank():
-    """S=2 on 2 gloo ranks: whole-sequence log-probs equal the unsplit forward, and the summed gradients equal its gradient."""
+    """S=2 on 2 gloo ranks: whole-sequence log-probs equal the unsplit forward, and the summed gradients equal its
+    gradient -- for the packed row and for the same pairs prefix-shared (the shared-prefix kernel after the
+    all-to-all), both against the unsplit unshared row."""
     from launching import free_port
 
     results = mp.Manager().dict()
     mp.spawn(_rank_main, args=(free_port(), results), nprocs=2, join=True)
     for rank in (0, 1):
         for kv_heads, res in results[rank].items():
-            assert res["length"] % 2 == 1, res
-            assert res["logps_diff"] < 1e-4 and res["logits_diff"] < 1e-3, (rank, kv_heads, res)
-            assert res["tokens_equal"], (rank, kv_heads, res)
-            assert res["grad_rel"] < 1e-5, (rank, kv_heads, res)
+            assert res["length"] % 2 == 1 and res["shared_length"] % 2 == 1, res  # both rows padded to S
+            for name in ("", "shared_"):
+                assert res[f"{name}logps_diff"] < 1e-4 and res[f"{name}logits_diff"] < 1e-3, (rank, kv_heads, res)
+                assert res[f"{name}tokens_equal"], (rank, kv_heads, res)
+                assert res[f"{name}grad_rel"] < 1e-5, (rank, kv_heads, res)
 
 
 @pytest.mark.parametrize("env, flags, message", [

@@ -19,8 +19,10 @@ def launch(tmp_path: Path, name: str, procs: int, *flags: str) -> list[dict]:
 
 @pytest.mark.multirank
 def test_trajectory_independent_of_layout(tmp_path):
-    """Invariant 2: world size 1 vs 2, packed vs padded, row budget and sequence parallelism give one trajectory."""
-    reference = launch(tmp_path, "w1_packed", 1, "--max-tokens-per-row", "1024")
+    """Invariant 2: world size 1 vs 2, packed vs padded, prefix sharing on or off, row budget and sequence parallelism
+    give one trajectory.  The reference runs every prompt twice (--no-prefix-sharing); the packed layouts share each
+    pair's prompt (the default), the padded one cannot."""
+    reference = launch(tmp_path, "w1_packed", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing")
     layouts = {
         "w2_packed": launch(tmp_path, "w2_packed", 2, "--max-tokens-per-row", "1024"),
         "w2_small_rows": launch(tmp_path, "w2_small", 2, "--max-tokens-per-row", "200"),
@@ -45,7 +47,11 @@ def test_trajectory_independent_of_layout(tmp_path):
     padded = layouts["w2_padded"]
     assert all(r["computed_tokens"] >= r["tokens"] for r in padded)
     assert any(r["computed_tokens"] > r["tokens"] for r in padded)  # --no-packing really ran padded micro-batches
-    assert all(r["computed_tokens"] == r["tokens"] for r in layouts["w2_packed"])
+    assert all(r["computed_tokens"] == r["tokens"] and r["prompt_tokens_shared"] == 0 for r in reference)
+    assert all(r["prompt_tokens_shared"] == 0 for r in padded)
+    for name in ("w2_packed", "w2_small_rows", "w2_sp2_small_rows"):  # each prompt computed once
+        assert all(0 < r["prompt_tokens_shared"] < r["tokens"] // 2 for r in layouts[name]), name
+        assert all(r["computed_tokens"] == r["tokens"] - r["prompt_tokens_shared"] for r in layouts[name]), name
     for key in ("step", "epoch", "loss", "grad_norm", "lr", "pairs", "tokens", "tokens_per_s", "rewards/chosen",
                 "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
                 "logits/chosen", "logits/rejected"):

@@ -26,6 +26,11 @@ trajectory never depends on how the work is laid out (DESIGN.md, invariants 2-4)
 Rows are ordered heaviest first on every rank, so the peak memory is hit on the first
 micro-step.
 
+With prefix sharing (``PlanConfig.prefix_sharing``: packed rows hold each pair as
+``[prompt | chosen | rejected]``) a pair takes P + C + R tokens of its row and attention
+term (P + C)^2 + R (P + R) (:func:`pair_tokens`, :func:`pair_attention_sq`); the steps'
+pairs (layer 1) are the same either way.
+
 Planning a step looks at that step's pairs only, so resuming from (epoch, step) is
 skipping.  numpy only: no torch, nothing distributed.
 """
@@ -59,11 +64,12 @@ class PlanConfig:
     attention_weight: float = 0.0
     packing: bool = True
     micro_batch_pairs: int = 1  # padded mode only
+    prefix_sharing: bool = False  # packed rows hold each prompt once (the lengths functions then need prompt lengths)
 
 
 class Row(NamedTuple):  # immutable like a frozen dataclass, built ~2x faster (a plan makes ~10^6 of them)
     pairs: tuple[int, ...]  # positional pair indices; () = dummy row
-    tokens: int  # real tokens: both sequences of every pair
+    tokens: int  # real tokens the row holds: both sequences of every pair (each prompt once with prefix sharing)
     computed_tokens: int  # packed: tokens; padded: 2 * len(pairs) * longest sequence; dummy: 1
 
 
@@ -136,12 +142,44 @@ def _as_lengths(chosen_lengths, rejected_lengths) -> tuple[np.ndarray, np.ndarra
     return chosen.astype(np.int64, copy=False), rejected.astype(np.int64, copy=False)
 
 
-def validate_lengths(chosen_lengths, rejected_lengths, cfg: PlanConfig, pair_ids: Sequence | None = None) -> None:
+def pair_tokens(chosen, rejected, prompt, prefix_sharing: bool) -> np.ndarray:
+    """Tokens each pair takes in a packed row: both sequences, or P + C + R with prefix sharing.
+
+    ``chosen``/``rejected`` are the sequence lengths (prompt + completion), ``prompt`` the prompt lengths (needed with
+    prefix sharing only).
+    """
+    chosen, rejected = np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64)
+    if not prefix_sharing:
+        return chosen + rejected
+    return chosen + rejected - _prompts(prompt, chosen)
+
+
+def pair_attention_sq(chosen, rejected, prompt, prefix_sharing: bool) -> np.ndarray:
+    """Attention term of each pair in a packed row (query x key counts, causal halving not counted): C'^2 + R'^2 of
+    its two sequences, or with prefix sharing (P + C)^2 + R (P + R): the rejected block's queries meet the prompt's
+    keys and their own."""
+    chosen, rejected = np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64)
+    if not prefix_sharing:
+        return chosen ** 2 + rejected ** 2
+    return chosen ** 2 + (rejected - _prompts(prompt, chosen)) * rejected
+
+
+def _prompts(prompt, like: np.ndarray) -> np.ndarray:
+    if prompt is None:
+        raise ValueError("prefix sharing needs the prompt lengths")
+    prompt = np.asarray(prompt, dtype=np.int64)
+    if prompt.shape != like.shape:
+        raise ValueError(f"prompt lengths {prompt.shape} do not match the pairs {like.shape}")
+    return prompt
+
+
+def validate_lengths(chosen_lengths, rejected_lengths, cfg: PlanConfig, pair_ids: Sequence | None = None,
+                     prompt_lengths=None) -> None:
     """Raise InputError for impossible settings or pairs that cannot be planned; cheap (vectorized).
 
     ``chosen_lengths[i]`` / ``rejected_lengths[i]`` are the token counts of prompt+chosen and
-    prompt+rejected of pair i.  ``pair_ids`` (optional) names pairs in messages instead of
-    their positional index.
+    prompt+rejected of pair i, ``prompt_lengths[i]`` its prompt's (needed with prefix sharing).
+    ``pair_ids`` (optional) names pairs in messages instead of their positional index.
     """
     _check_config(cfg)
     chosen, rejected = _as_lengths(chosen_lengths, rejected_lengths)
@@ -155,23 +193,27 @@ def validate_lengths(chosen_lengths, rejected_lengths, cfg: PlanConfig, pair_ids
         if lengths.min() < 1:
             i = int(np.argmin(lengths))
             raise InputError(f"{name(i)}: {what} has {int(lengths[i])} tokens; every sequence needs at least 1")
-    pair_tokens = chosen + rejected
-    if cfg.packing and pair_tokens.max() > cfg.max_tokens_per_row:
-        i = int(np.argmax(pair_tokens))
-        too_long = int(np.count_nonzero(pair_tokens > cfg.max_tokens_per_row))
+    sharing = cfg.packing and cfg.prefix_sharing
+    tokens = pair_tokens(chosen, rejected, prompt_lengths, sharing)
+    if cfg.packing and tokens.max() > cfg.max_tokens_per_row:
+        i = int(np.argmax(tokens))
+        too_long = int(np.count_nonzero(tokens > cfg.max_tokens_per_row))
         others = {1: "", 2: "; 1 more pair exceeds it"}.get(too_long, f"; {too_long - 1} more pairs exceed it")
+        parts = (f"prompt {int(chosen[i] + rejected[i] - tokens[i])} + chosen {int(tokens[i] - rejected[i])} + rejected "
+                 f"{int(tokens[i] - chosen[i])}, the prompt shared" if sharing
+                 else f"prompt+chosen {int(chosen[i])} + prompt+rejected {int(rejected[i])}")
         raise InputError(
-            f"{name(i)} needs {int(pair_tokens[i])} tokens (prompt+chosen {int(chosen[i])} + prompt+rejected "
-            f"{int(rejected[i])}) but --max-tokens-per-row is {cfg.max_tokens_per_row}{others}; raise "
-            f"--max-tokens-per-row to >= {int(pair_tokens[i])} or lower --max-length to <= {cfg.max_tokens_per_row // 2}, "
-            f"or split rows over ranks with --sequence-parallel-size"
+            f"{name(i)} needs {int(tokens[i])} tokens ({parts}) but --max-tokens-per-row is "
+            f"{cfg.max_tokens_per_row}{others}; raise --max-tokens-per-row to >= {int(tokens[i])} or lower "
+            f"--max-length to <= {cfg.max_tokens_per_row // 2}, or split rows over ranks with --sequence-parallel-size"
         )
+    pair_tokens_both = chosen + rejected  # what --tokens-per-step counts (the composition ignores the layout)
     if cfg.drop_last:
         if cfg.global_batch_pairs is not None and cfg.global_batch_pairs > chosen.size:
             raise InputError(f"--global-batch-pairs {cfg.global_batch_pairs} is more than the {chosen.size} pairs "
                              f"and --drop-last is set: no step would run")
-        if cfg.tokens_per_step is not None and cfg.tokens_per_step > pair_tokens.sum():
-            raise InputError(f"--tokens-per-step {cfg.tokens_per_step} is more than all {int(pair_tokens.sum())} "
+        if cfg.tokens_per_step is not None and cfg.tokens_per_step > pair_tokens_both.sum():
+            raise InputError(f"--tokens-per-step {cfg.tokens_per_step} is more than all {int(pair_tokens_both.sum())} "
                              f"tokens of the data and --drop-last is set: no step would run")
 
 
@@ -363,14 +405,16 @@ def _aligned_rows(order: np.ndarray, tokens: np.ndarray, cost: np.ndarray, world
     return row if row_tokens.max() <= budget else None
 
 
-def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, cfg: PlanConfig) -> list[list[Row]]:
+def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
+                  cfg: PlanConfig) -> list[list[Row]]:
     """Fewest slots R such that the pairs fit world x R rows, rows of near-equal cost, R rows dealt to each rank so
     that slot i holds near-equal rows everywhere: rows sorted by cost, slot i = the i-th block of ``world``, its
     heaviest row to the rank with the least so far (rank balance)."""
     world, budget = cfg.dp_size, cfg.max_tokens_per_row
     c, r = chosen[step_pairs], rejected[step_pairs]
-    tokens = c + r
-    cost = tokens + cfg.attention_weight * (c.astype(np.float64) ** 2 + r.astype(np.float64) ** 2)
+    p = None if prompt is None else prompt[step_pairs]
+    tokens = pair_tokens(c, r, p, cfg.prefix_sharing)
+    cost = tokens + cfg.attention_weight * pair_attention_sq(c, r, p, cfg.prefix_sharing).astype(np.float64)
     heaviest_first = np.argsort(-cost, kind="stable")
     slots = _slot_count_floor(tokens, world, budget)
     while (row := _aligned_rows(heaviest_first, tokens, cost, world, slots, budget)) is None:
@@ -394,7 +438,8 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
     return [built[i:i + slots] for i in range(0, count, slots)]
 
 
-def _padded_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, cfg: PlanConfig) -> list[list[Row]]:
+def _padded_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
+                  cfg: PlanConfig) -> list[list[Row]]:
     """The baseline layout of TRL/OpenRLHF: pairs dealt by count like a DistributedSampler, micro-batches in order."""
     ranks = []
     for rank in range(cfg.dp_size):
@@ -410,31 +455,45 @@ def _padded_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
     return [rows + [DUMMY_ROW] * (count - len(rows)) for rows in ranks]
 
 
-def _plan_step(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, cfg: PlanConfig,
-               epoch: int, step: int) -> StepPlan:
+def _plan_step(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
+               cfg: PlanConfig, epoch: int, step: int) -> StepPlan:
     layout = _packed_ranks if cfg.packing else _padded_ranks
-    ranks = layout(step_pairs, chosen, rejected, cfg)
+    ranks = layout(step_pairs, chosen, rejected, prompt, cfg)
     return StepPlan(epoch, step, tuple(step_pairs.tolist()), tuple(tuple(rows) for rows in ranks))
 
 
-def plan_step(pair_indices, chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: int, step: int) -> StepPlan:
+def _as_prompts(prompt_lengths, cfg: PlanConfig) -> np.ndarray | None:
+    """The prompt lengths as an int array when the rows share prefixes (else unused: None)."""
+    if not (cfg.packing and cfg.prefix_sharing):
+        return None
+    if prompt_lengths is None:
+        raise ValueError("PlanConfig.prefix_sharing needs the prompt lengths")
+    return np.asarray(prompt_lengths, dtype=np.int64)
+
+
+def plan_step(pair_indices, chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: int, step: int,
+              prompt_lengths=None) -> StepPlan:
     """Lay out one step's pairs on ranks and rows.  Pass lengths as numpy int arrays (they are not copied)."""
     chosen, rejected = _as_lengths(chosen_lengths, rejected_lengths)
+    prompt = _as_prompts(prompt_lengths, cfg)
     step_pairs = np.asarray(pair_indices, dtype=np.int64)
     if step_pairs.size == 0:
         raise ValueError("a step needs at least one pair")
-    validate_lengths(chosen[step_pairs], rejected[step_pairs], cfg, pair_ids=step_pairs.tolist())
-    return _plan_step(step_pairs, chosen, rejected, cfg, epoch, step)
+    validate_lengths(chosen[step_pairs], rejected[step_pairs], cfg, pair_ids=step_pairs.tolist(),
+                     prompt_lengths=None if prompt is None else prompt[step_pairs])
+    return _plan_step(step_pairs, chosen, rejected, prompt, cfg, epoch, step)
 
 
 def iter_plan(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int, start_epoch: int = 0,
-              start_step: int = 0) -> Iterator[StepPlan]:
+              start_step: int = 0, prompt_lengths=None) -> Iterator[StepPlan]:
     """Every step of epochs ``start_epoch .. epochs-1``, beginning at ``start_step`` of ``start_epoch``.
 
     Validates everything before the first step is planned, so a bad setting fails at once.
-    Resuming from (epoch, step) yields exactly the tail of the uninterrupted plan.
+    Resuming from (epoch, step) yields exactly the tail of the uninterrupted plan.  ``prompt_lengths``
+    are needed when the rows share prefixes (``cfg.prefix_sharing``).
     """
-    validate_lengths(chosen_lengths, rejected_lengths, cfg)
+    prompt = _as_prompts(prompt_lengths, cfg)
+    validate_lengths(chosen_lengths, rejected_lengths, cfg, prompt_lengths=prompt)
     chosen, rejected = _as_lengths(chosen_lengths, rejected_lengths)
     for value, flag in ((epochs, "--epochs"), (start_epoch, "resume epoch"), (start_step, "resume step")):
         if not _is_int(value) or value < 0:
@@ -442,48 +501,56 @@ def iter_plan(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int, st
     first = step_compositions(chosen, rejected, cfg, start_epoch) if start_epoch < epochs else []
     if start_epoch < epochs and start_step > len(first):
         raise InputError(f"resume step {start_step} is past the {len(first)} steps of epoch {start_epoch}")
-    return _iter_steps(chosen, rejected, cfg, epochs, start_epoch, start_step, first)
+    return _iter_steps(chosen, rejected, prompt, cfg, epochs, start_epoch, start_step, first)
 
 
-def _iter_steps(chosen, rejected, cfg, epochs, start_epoch, start_step, first) -> Iterator[StepPlan]:
+def _iter_steps(chosen, rejected, prompt, cfg, epochs, start_epoch, start_step, first) -> Iterator[StepPlan]:
     for epoch in range(start_epoch, epochs):
         steps = first if epoch == start_epoch else step_compositions(chosen, rejected, cfg, epoch)
         for step in range(start_step if epoch == start_epoch else 0, len(steps)):
-            yield _plan_step(steps[step], chosen, rejected, cfg, epoch, step)
+            yield _plan_step(steps[step], chosen, rejected, prompt, cfg, epoch, step)
 
 
 # ----------------------------------------------------------------------------- reporting
 
 
-def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 1) -> dict:
+def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 1, prompt_lengths=None) -> dict:
     """Quality of the packed plan next to the padded baseline on the same steps (the ``pack-stats`` command).
 
+    real_tokens: the tokens of the packed rows (each prompt once with ``cfg.prefix_sharing``).
     lockstep_utilization (the headline): real tokens / (world * sum over row slots of the largest row),
       packed -- the figure that matters under ZeRO-3, where ranks run row i together.
     utilization (rank balance): mean over steps of mean-rank-tokens / max-rank-tokens (packed; 1 = balanced).
     row_fill: real tokens / (rows * budget), dummy rows included.
-    padded_utilization: real tokens / computed tokens of the padded baseline (micro_batch_pairs pairs
+    sequence_tokens: both sequences of every pair (what a run without prefix sharing computes);
+      prompt_tokens_shared = sequence_tokens - real_tokens, the tokens prefix sharing does not compute, and
+      prefix_sharing_ideal_speedup = sequence_tokens / real_tokens (1.0 without sharing).
+    padded_utilization: sequence tokens / computed tokens of the padded baseline (micro_batch_pairs pairs
       per micro-batch, pairs dealt by count; its 1-token dummy rows included).
-    padded_step_utilization: mean over steps of step tokens / (world * max-rank padded computed tokens).
+    padded_step_utilization: mean over steps of step sequence tokens / (world * max-rank padded computed tokens).
     """
     world = cfg.dp_size
     started = time.perf_counter()
     rank_tokens, rows_per_rank, lockstep, dummy_rows = [], [], 0, 0
-    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, packing=True), epochs):
+    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, packing=True), epochs,
+                          prompt_lengths=prompt_lengths):
         rank_tokens.append(plan.rank_tokens)
         rows_per_rank.append(plan.rows_per_rank)
         lockstep += sum(max(rows[i].tokens for rows in plan.ranks) for i in range(plan.rows_per_rank))
         dummy_rows += sum(1 for rows in plan.ranks for row in rows if not row.pairs)
     planning_seconds = time.perf_counter() - started
-    padded_rank_computed, padded_rows_per_rank = [], []
+    padded_rank_computed, padded_rows_per_rank, step_sequence_tokens = [], [], []
     for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, packing=False), epochs):
         padded_rank_computed.append(plan.rank_computed_tokens)
         padded_rows_per_rank.append(plan.rows_per_rank)
+        step_sequence_tokens.append(sum(plan.rank_tokens))
 
     rank_tokens = np.array(rank_tokens, dtype=np.float64)  # [steps, world]
     padded_rank_computed = np.array(padded_rank_computed, dtype=np.float64)
+    step_sequence_tokens = np.array(step_sequence_tokens, dtype=np.float64)
     step_tokens = rank_tokens.sum(axis=1)
     real_tokens = int(step_tokens.sum())
+    sequence_tokens = int(step_sequence_tokens.sum())
     padded_computed = int(padded_rank_computed.sum())
     step_utilization = rank_tokens.mean(axis=1) / rank_tokens.max(axis=1)
     rows = sum(rows_per_rank) * world
@@ -497,7 +564,11 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
         "tokens_per_step": cfg.tokens_per_step,
         "attention_weight": cfg.attention_weight,
         "micro_batch_pairs": cfg.micro_batch_pairs,
+        "prefix_sharing": cfg.prefix_sharing,
         "real_tokens": real_tokens,
+        "sequence_tokens": sequence_tokens,
+        "prompt_tokens_shared": sequence_tokens - real_tokens,
+        "prefix_sharing_ideal_speedup": sequence_tokens / real_tokens,
         "rows": rows,
         "dummy_rows": dummy_rows,
         "rows_per_rank": {"min": min(rows_per_rank), "max": max(rows_per_rank)},
@@ -506,8 +577,8 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
         "rank_balance_min": float(step_utilization.min()),
         "row_fill": real_tokens / (rows * cfg.max_tokens_per_row),
         "padded_computed_tokens": padded_computed,
-        "padded_utilization": real_tokens / padded_computed,
-        "padded_step_utilization": float((step_tokens / (world * padded_rank_computed.max(axis=1))).mean()),
+        "padded_utilization": sequence_tokens / padded_computed,
+        "padded_step_utilization": float((step_sequence_tokens / (world * padded_rank_computed.max(axis=1))).mean()),
         "padded_rows_per_rank": {"min": min(padded_rows_per_rank), "max": max(padded_rows_per_rank)},
         "planning_seconds": planning_seconds,
     }

@@ -101,6 +101,7 @@ class PreparedPairs:
     # completion_truncated (kept pairs), template_prefix_mismatch (sequences), tokens {length statistics}
     summary: dict
     fingerprint: str                # (content, tokenizer, settings); keys caches and precomputed reference log-probs
+    prompt_lengths: np.ndarray      # int64 [N]: len(prompt_ids) (what prefix sharing computes once per pair)
 
 
 class _BadRow(Exception):
@@ -661,7 +662,7 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
             "total": int(chosen_lengths.sum() + rejected_lengths.sum()),
         },
     }
-    return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint)
+    return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint, lengths["prompt"])
 
 
 # ----------------------------------------------------------------------------- outputs

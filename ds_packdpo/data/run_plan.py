@@ -10,16 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InputError
-from .plan import PlanConfig, validate_lengths, warn_if_ranks_idle
+from .plan import PlanConfig, pair_tokens, validate_lengths, warn_if_ranks_idle
 from .prepare import PreparedPairs
 
 
-def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int, sp_size: int, pair_ids) -> None:
+def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int, sp_size: int, pair_ids,
+                          prompt_lengths=None, prefix_sharing: bool = False) -> None:
     """Under sequence parallelism a pair must fit one row of S x the per-rank budget; the message says which of the
     two to raise."""
-    pair_tokens = np.asarray(chosen_lengths, dtype=np.int64) + np.asarray(rejected_lengths, dtype=np.int64)
-    longest = int(np.argmax(pair_tokens))
-    need = int(pair_tokens[longest])
+    tokens = pair_tokens(chosen_lengths, rejected_lengths, prompt_lengths, prefix_sharing)
+    longest = int(np.argmax(tokens))
+    need = int(tokens[longest])
     if need > per_rank_budget * sp_size:
         raise InputError(f"pair {pair_ids[longest]} needs {need} tokens but a row holds --sequence-parallel-size "
                          f"{sp_size} x --max-tokens-per-row {per_rank_budget} = {sp_size * per_rank_budget}; raise "
@@ -34,7 +35,8 @@ def checked_plan_config(cfg, layout, prepared: PreparedPairs) -> PlanConfig:
     pair_ids = prepared.dataset["pair_id"]
     if layout.sp_size > 1:
         check_pairs_fit_group(prepared.chosen_lengths, prepared.rejected_lengths, cfg.row_budget, layout.sp_size,
-                              pair_ids)
-    validate_lengths(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, pair_ids=pair_ids)
+                              pair_ids, prepared.prompt_lengths, plan_cfg.prefix_sharing)
+    validate_lengths(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, pair_ids=pair_ids,
+                     prompt_lengths=prepared.prompt_lengths)
     warn_if_ranks_idle(len(prepared.chosen_lengths), plan_cfg)
     return plan_cfg

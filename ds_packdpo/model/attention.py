@@ -34,13 +34,14 @@ from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_availa
 
 from ..errors import InputError
 from .collate import ModelBatch
+from .prefix_attention import PREFIX_FLASH, prefix_attention_forward, shared_prefix_attention
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
 SDPA_VARLEN = "sdpa_varlen"
 # The attention_implementation name of DeepSpeed-Ulysses (ds_packdpo.sequence_parallel registers it).
 ULYSSES_ATTN = "ds_packdpo_ulysses"
 # Backends that take the boundaries as cu_seqlens kwargs.
-VARLEN_BACKENDS = (*FLASH_BACKENDS, SDPA_VARLEN, ULYSSES_ATTN)
+VARLEN_BACKENDS = (*FLASH_BACKENDS, SDPA_VARLEN, ULYSSES_ATTN, *PREFIX_FLASH.values())
 ATTN_CHOICES = ("auto", SDPA_VARLEN, "sdpa", "eager", "flex_attention", *FLASH_BACKENDS)
 
 
@@ -106,6 +107,8 @@ def model_forward_kwargs(batch: ModelBatch, attn: str) -> dict:
     kwargs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
     if batch.attention_mask is not None:
         kwargs["attention_mask"] = batch.attention_mask
+    elif batch.prefix_layout is not None:  # a prefix-shared row: the pair blocks, for model/prefix_attention.py
+        kwargs["prefix_layout"] = batch.prefix_layout
     elif attn in VARLEN_BACKENDS and batch.cu_seqlens is not None:
         kwargs.update(flash_varlen_kwargs(batch.cu_seqlens, batch.max_seqlen))
     return kwargs
@@ -155,8 +158,12 @@ def _sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: flo
 
     With an attention mask (padded batches) this is plain sdpa.  Without, the row's
     sequence boundaries come from the ``cu_seq_lens_q`` kwarg (``model_forward_kwargs``
-    passes it) or, failing that, from where ``position_ids`` restart.
+    passes it) or, failing that, from where ``position_ids`` restart.  A prefix-shared row (the
+    ``prefix_layout`` kwarg) runs :func:`~ds_packdpo.model.prefix_attention.shared_prefix_attention`.
     """
+    if kwargs.get("prefix_layout") is not None:
+        return prefix_attention_forward(shared_prefix_attention, query, key, value, kwargs["prefix_layout"], dropout,
+                                        scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
     if attention_mask is not None or dropout or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

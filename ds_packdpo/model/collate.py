@@ -1,18 +1,23 @@
-"""Turn one planned row of preference pairs into model inputs, packed or padded.
+"""Turn one planned row of preference pairs into model inputs: packed, prefix-shared or padded.
 
 Packed (:func:`collate_packed`): all 2P sequences of the row concatenated into one
 ``[1, T]`` row with no padding.  ``position_ids`` restart at 0 for every sequence,
 which is what lets transformers build a per-sequence (block-diagonal) causal mask
 when called with ``attention_mask=None, use_cache=False``; ``cu_seqlens`` /
-``max_seqlen`` serve varlen kernels.  Padded (:func:`collate_padded`): the usual TRL /
-OpenRLHF batch of 2P right-padded rows, the benchmark baseline and the reference of
-the parity tests.
+``max_seqlen`` serve varlen kernels.  Prefix-shared (:func:`collate_shared`): every pair
+once as ``[prompt | chosen | rejected]``, the prompt computed once for both completions;
+its attention (``model/prefix_attention.py``) follows the row's :class:`PrefixLayout`.
+Padded (:func:`collate_padded`): the usual TRL / OpenRLHF batch of 2P right-padded rows,
+the benchmark baseline and the reference of the parity tests.
 
-Both share one canonical sequence numbering -- sequence 2p is the chosen of local pair p,
-2p+1 its rejected -- and one label rule: ``labels[t]`` is the token at t+1 when that token
-is a completion token of the same sequence, else -100.  So a segment sum of the
-per-token log-probs over ``seq_index`` gives each sequence's completion log-prob in
-either layout.  Everything per token is vectorized; the only Python loop is over pairs.
+All share one canonical sequence numbering -- sequence 2p is the chosen of local pair p,
+2p+1 its rejected -- and one label rule: ``labels[t]`` is the token position t predicts
+when that token is a completion token of the sequence ``seq_index[t]``, else -100.  In the
+prefix-shared layout the prompt's last position predicts the first token of both
+completions: ``labels`` holds the chosen one and ``fork_labels`` the rejected one (for
+sequence ``seq_index[t] + 1``).  So a segment sum of the per-token log-probs gives each
+sequence's completion log-prob in every layout.  Everything per token is vectorized; the
+only Python loop is over pairs.
 """
 
 from __future__ import annotations
@@ -28,6 +33,24 @@ from ..errors import InputError
 IGNORE_INDEX = -100
 
 
+@dataclass(frozen=True)
+class PrefixLayout:
+    """Where the pairs of a prefix-shared row lie: block g holds ``[prompt | chosen | rejected]`` of
+    ``blocks[g] = (P, C, R)`` tokens.  Prompt tokens attend to the prompt, chosen ones to the prompt and the chosen
+    before them, rejected ones to the prompt and the rejected before them (never to chosen).  A block with no
+    completions, ``(L, 0, 0)``, is one causal sequence (the padding that sequence parallelism appends)."""
+
+    blocks: tuple[tuple[int, int, int], ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(p + c + r for p, c, r in self.blocks)
+
+    def padded(self, tokens: int) -> PrefixLayout:
+        """The layout with ``tokens`` more at the end, as one sequence of their own (nothing when 0)."""
+        return PrefixLayout(self.blocks + ((tokens, 0, 0),)) if tokens else self
+
+
 @dataclass
 class ModelBatch:
     input_ids: torch.Tensor  # [N, L] long (packed: N = 1)
@@ -39,8 +62,13 @@ class ModelBatch:
     max_seqlen: int
     num_pairs: int  # P; sequence 2p = chosen of local pair p, 2p+1 = its rejected
     pair_indices: torch.Tensor  # [P] long, positional pair indices of the row
-    real_tokens: int
-    computed_tokens: int  # N * L
+    real_tokens: int  # tokens of the 2P sequences (a prompt counted once per sequence)
+    computed_tokens: int  # N * L: tokens the model runs
+    # Prefix-shared rows only: the second target of each prompt's last position (the first rejected token, scored
+    # for sequence seq_index + 1), -100 elsewhere; the row's pair blocks; the prompt tokens not run twice.
+    fork_labels: torch.Tensor | None = None  # [1, T] long
+    prefix_layout: PrefixLayout | None = None
+    prompt_tokens_shared: int = 0
 
     def to(self, device) -> "ModelBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -75,17 +103,21 @@ class _Flat:
     seq_index: torch.Tensor  # [T]
 
 
+def _check_prompt(prompt: np.ndarray, index) -> None:
+    if prompt.size == 0:
+        raise InputError(f"pair {index}: 'prompt_ids' is empty; the first completion token is predicted from the "
+                         f"prompt's last token")
+
+
 def _flatten(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int]) -> _Flat:
     if len(pairs) != len(pair_indices):
         raise ValueError(f"got {len(pairs)} pairs but {len(pair_indices)} pair indices")
     pieces, seq_lengths, prompt_lengths = [], [], []
     for pair, index in zip(pairs, pair_indices):
         prompt = np.asarray(pair["prompt_ids"], dtype=np.int64)
+        _check_prompt(prompt, index)
         for key in ("chosen_ids", "rejected_ids"):
             completion = np.asarray(pair[key], dtype=np.int64)
-            if prompt.size == 0 or completion.size == 0:
-                empty = "prompt_ids" if prompt.size == 0 else key
-                raise InputError(f"pair {index}: '{empty}' is empty; a sequence needs a prompt and a completion to score")
             pieces += [prompt, completion]
             seq_lengths.append(prompt.size + completion.size)
             prompt_lengths.append(prompt.size)
@@ -143,6 +175,65 @@ def collate_packed(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
     )
 
 
+def collate_shared(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int],
+                   pad_token_id: int) -> ModelBatch:
+    """One padding-free row with every prompt once: p0 c0 r0, p1 c1 r1, ... (see :class:`PrefixLayout`).
+
+    Positions: the prompt 0..P-1, chosen P..P+C-1, rejected P..P+R-1, so every token sits where it would in its
+    own sequence.  The prompt's last position predicts both completions' first tokens (``labels`` and
+    ``fork_labels``).  A completion may be empty (nothing of it is scored); the prompt may not.
+    """
+    if len(pairs) == 0:
+        return _dummy(pad_token_id, packed=True)
+    if len(pairs) != len(pair_indices):
+        raise ValueError(f"got {len(pairs)} pairs but {len(pair_indices)} pair indices")
+    pieces, blocks = [], []
+    for pair, index in zip(pairs, pair_indices):
+        parts = [np.asarray(pair[key], dtype=np.int64) for key in ("prompt_ids", "chosen_ids", "rejected_ids")]
+        _check_prompt(parts[0], index)
+        pieces += parts
+        blocks.append(tuple(part.size for part in parts))
+    ids = torch.from_numpy(np.concatenate(pieces))
+    part_lengths = torch.tensor(blocks, dtype=torch.long).reshape(-1)  # P0 C0 R0 P1 C1 R1 ...
+    part = torch.repeat_interleave(torch.arange(part_lengths.numel()), part_lengths)
+    block, kind = part // 3, part % 3  # kind 0 prompt, 1 chosen, 2 rejected
+    part_starts = torch.cumsum(part_lengths, 0) - part_lengths
+    within = torch.arange(ids.numel()) - part_starts[part]
+    prompt_lengths = part_lengths[0::3][block]
+    positions = within + torch.where(kind == 0, 0, prompt_lengths)
+    seq_index = 2 * block + (kind == 2)
+    ignore = torch.full_like(ids, IGNORE_INDEX)
+    # A completion token predicts the next one of its side; the prompt's last token the first of each side.
+    labels = torch.where((kind > 0) & (within + 1 < part_lengths[part]), torch.roll(ids, -1), ignore)
+    last_prompt = (kind == 0) & (within == prompt_lengths - 1)
+
+    def first_token(side: int) -> torch.Tensor:  # at each prompt's last position: the side's first token, if any
+        start = part_starts[3 * block + side].clamp_max(ids.numel() - 1)
+        return torch.where(last_prompt & (part_lengths[3 * block + side] > 0), ids[start], ignore)
+
+    labels = torch.where(last_prompt, first_token(1), labels)
+    lengths = torch.tensor([sum(b) for b in blocks], dtype=torch.int32)
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    prompt_tokens = sum(b[0] for b in blocks)
+    return ModelBatch(
+        input_ids=ids[None],
+        position_ids=positions[None],
+        attention_mask=None,
+        labels=labels[None],
+        seq_index=seq_index[None],
+        cu_seqlens=cu_seqlens,  # the pair blocks
+        max_seqlen=int(lengths.max()),
+        num_pairs=len(pairs),
+        pair_indices=torch.as_tensor(pair_indices, dtype=torch.long),
+        real_tokens=ids.numel() + prompt_tokens,
+        computed_tokens=ids.numel(),
+        fork_labels=first_token(2)[None],
+        prefix_layout=PrefixLayout(tuple(blocks)),
+        prompt_tokens_shared=prompt_tokens,
+    )
+
+
 def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int],
                    pad_token_id: int) -> ModelBatch:
     """2P right-padded rows: row i < P is the chosen of pair i (sequence 2i), row P+i its rejected (2i+1)."""
@@ -176,13 +267,16 @@ def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
     )
 
 
-def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, packed: bool = True) -> ModelBatch:
+def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, packed: bool = True,
+                shared_prefix: bool = False) -> ModelBatch:
     """The model inputs of one planned row: its pairs (positional indices) looked up in the tokenized columns
-    (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), packed or padded."""
+    (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), packed (each prompt once with
+    ``shared_prefix``) or padded."""
     indices = list(pair_indices)
     pairs = []
     if indices:
         cols = columns[indices]
         pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
                  for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
-    return (collate_packed if packed else collate_padded)(pairs, indices, pad_token_id)
+    collate = (collate_shared if shared_prefix else collate_packed) if packed else collate_padded
+    return collate(pairs, indices, pad_token_id)

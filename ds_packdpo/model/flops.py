@@ -9,9 +9,10 @@ with d_attn = heads x head_dim, counted without the causal halving).  So one ste
     policy (forward + backward):  6 N tokens + 12 layers d_attn S
     reference (forward only):     2 N tokens +  4 layers d_attn S
 
-with ``tokens`` the computed tokens (padding included: the hardware runs it) and
-``S`` the attention term of the layout: the sum of squared sequence lengths of a
-packed row, ``rows x width^2`` of a padded micro-batch.
+with ``tokens`` the computed tokens (padding included: the hardware runs it; a shared
+prompt once) and ``S`` the attention term of the layout: the sum of squared sequence
+lengths of a packed row (with prefix sharing (P + C)^2 + R (P + R) per pair:
+``data.plan.pair_attention_sq``), ``rows x width^2`` of a padded micro-batch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..data.plan import pair_attention_sq
 
 
 @dataclass(frozen=True)
@@ -57,20 +60,25 @@ def step_flops(model: FlopModel, computed_tokens: float, attention_sq: float) ->
     return linear + attention
 
 
-def row_attention_sq(pairs, chosen_lengths, rejected_lengths, packed: bool) -> int:
-    """The attention term S of one planned row: sum(L^2) packed, rows x width^2 padded (2 rows per pair)."""
+def row_attention_sq(pairs, chosen_lengths, rejected_lengths, packed: bool, prompt_lengths=None,
+                     prefix_sharing: bool = False) -> int:
+    """The attention term S of one planned row: sum(L^2) packed (the prefix-shared blocks' term with
+    ``prefix_sharing``), rows x width^2 padded (2 rows per pair)."""
     if not pairs:
         return 1  # the one-token dummy row
     index = np.asarray(pairs, dtype=np.int64)
-    lengths = np.concatenate([np.asarray(chosen_lengths)[index], np.asarray(rejected_lengths)[index]]).astype(np.int64)
+    chosen, rejected = np.asarray(chosen_lengths)[index], np.asarray(rejected_lengths)[index]
     if packed:
-        return int((lengths ** 2).sum())
-    return int(lengths.size * lengths.max() ** 2)
+        sharing = packed and prefix_sharing
+        prompt = np.asarray(prompt_lengths)[index] if sharing else None
+        return int(pair_attention_sq(chosen, rejected, prompt, sharing).sum())
+    return int(2 * index.size * int(max(chosen.max(), rejected.max())) ** 2)
 
 
-def plan_attention_sq(plan, chosen_lengths, rejected_lengths, packed: bool) -> int:
+def plan_attention_sq(plan, chosen_lengths, rejected_lengths, packed: bool, prompt_lengths=None,
+                      prefix_sharing: bool = False) -> int:
     """S of a whole step: every row of every rank."""
-    return sum(row_attention_sq(row.pairs, chosen_lengths, rejected_lengths, packed)
+    return sum(row_attention_sq(row.pairs, chosen_lengths, rejected_lengths, packed, prompt_lengths, prefix_sharing)
                for rows in plan.ranks for row in rows)
 
 
@@ -78,16 +86,20 @@ class ThroughputMeter:
     """Model TFLOP/s and MFU of one step, for the trainer's per-step log and the bench."""
 
     def __init__(self, model: FlopModel, chosen_lengths, rejected_lengths, packed: bool, world_size: int,
-                 peak_tflops: float | None):
+                 peak_tflops: float | None, prompt_lengths=None, prefix_sharing: bool = False):
         self.model = model
         self.lengths = (chosen_lengths, rejected_lengths)
         self.packed = packed
         self.world_size = world_size
         self.peak_tflops = peak_tflops
+        self.prompt_lengths, self.prefix_sharing = prompt_lengths, prefix_sharing
+
+    def attention_sq(self, plan) -> int:
+        return plan_attention_sq(plan, *self.lengths, self.packed, self.prompt_lengths, self.prefix_sharing)
 
     def step_flops(self, plan) -> float:
         computed = sum(plan.rank_computed_tokens)
-        return step_flops(self.model, computed, plan_attention_sq(plan, *self.lengths, self.packed))
+        return step_flops(self.model, computed, self.attention_sq(plan))
 
     def figures(self, flops: float, seconds: float) -> dict:
         """``model_tflops_per_s`` (all ranks) and ``mfu`` (None without a peak per device)."""

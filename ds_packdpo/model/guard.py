@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import PackingNotExactError
-from .collate import collate_packed, collate_padded
+from .collate import collate_packed, collate_padded, collate_shared
 from .logps import forward_logps
 
 # Packed and alone forwards run different kernel shapes, so they round differently.
@@ -63,8 +63,9 @@ def _each_sequence_alone(model, padded, attn: str, forward=forward_logps) -> tor
 
 
 def packing_exactness(model, sequences_pairs: list[dict], attn: str, pad_token_id: int, device=None,
-                      tolerance: float | None = None, forward=forward_logps) -> dict:
-    """Per-sequence log-probs of the pairs packed in one row vs each sequence alone.
+                      tolerance: float | None = None, forward=forward_logps, shared_prefix: bool = False) -> dict:
+    """Per-sequence log-probs of the pairs packed in one row (each prompt once with ``shared_prefix``) vs each
+    sequence alone.
 
     ``tolerance`` defaults to 1e-4 absolute in fp32 and to 1e-3 of |logps| per
     sequence in bf16/fp16.  The number of forwards depends on the pairs only (1 +
@@ -78,7 +79,8 @@ def packing_exactness(model, sequences_pairs: list[dict], attn: str, pad_token_i
     device = parameter.device if device is None else torch.device(device)
     index = list(range(len(sequences_pairs)))
     with torch.no_grad(), _evaluating(model):
-        packed = forward(model, collate_packed(sequences_pairs, index, pad_token_id).to(device), attn)
+        collate = collate_shared if shared_prefix else collate_packed
+        packed = forward(model, collate(sequences_pairs, index, pad_token_id).to(device), attn)
         alone = _each_sequence_alone(model, collate_padded(sequences_pairs, index, pad_token_id).to(device), attn,
                                      forward)
     abs_diff = (packed.logps - alone).abs()
@@ -89,6 +91,7 @@ def packing_exactness(model, sequences_pairs: list[dict], attn: str, pad_token_i
     measured = rel_diff.max() if relative else abs_diff.max()
     return {
         "attn": attn,
+        "layout": "shared-prefix" if shared_prefix else "packed",
         "pairs": len(sequences_pairs),
         "dtype": str(parameter.dtype).removeprefix("torch."),
         "max_abs_diff_logps": float(abs_diff.max()),
@@ -100,15 +103,17 @@ def packing_exactness(model, sequences_pairs: list[dict], attn: str, pad_token_i
 
 
 def assert_packing_exact(model, attn: str, vocab_size: int, pad_token_id: int, device=None,
-                         forward=forward_logps) -> dict:
-    """The start-up guard: one fixed synthetic pair (two sequences), identical on every rank."""
+                         forward=forward_logps, shared_prefix: bool = False) -> dict:
+    """The start-up guard: one fixed synthetic pair (two sequences), identical on every rank; with ``shared_prefix``
+    laid out as the run lays out its rows, the prompt once."""
     result = packing_exactness(model, synthetic_pairs(1, vocab_size, seed=0, max_tokens=12), attn, pad_token_id,
-                               device, forward=forward)
+                               device, forward=forward, shared_prefix=shared_prefix)
     if not result["ok"]:
         measured = result["max_rel_diff_logps"] if result["tolerance_kind"] == "relative" else result["max_abs_diff_logps"]
+        what, way_out = (("prefix-shared rows", "--no-prefix-sharing") if shared_prefix
+                         else ("packed rows", "another --attn (e.g. sdpa) or --no-packing"))
         raise PackingNotExactError(
-            f"--attn {attn}: packed rows are not exact with this model/backend/version: per-sequence log-probs of a "
-            f"packed row differ from each sequence alone by {measured:.3g} ({result['tolerance_kind']}, tolerance "
-            f"{result['tolerance']:.3g}); sequences would attend across their boundaries - use another --attn "
-            f"(e.g. sdpa) or --no-packing")
+            f"--attn {attn}: {what} are not exact with this model/backend/version: per-sequence log-probs of a "
+            f"{what[:-1]} differ from each sequence alone by {measured:.3g} ({result['tolerance_kind']}, tolerance "
+            f"{result['tolerance']:.3g}); sequences would attend across their boundaries - use {way_out}")
     return result

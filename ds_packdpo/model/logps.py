@@ -15,7 +15,10 @@ Two implementations, one result:
   once per forward and once per backward, not once per chunk.
 
 Token log-probs are then summed per sequence with one ``index_add`` over the
-sequence index - no loop over sequences.
+sequence index - no loop over sequences.  The scored tokens of a row
+(:func:`scored_tokens`) are its labelled positions plus, in a prefix-shared row, each
+prompt's last position once more for the rejected completion's first token: one hidden
+state, two targets, still no ``[T, V]`` logits.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
     from .collate import ModelBatch
 
 __all__ = ["SequenceLogps", "sequence_logps", "model_forward_kwargs", "forward_logps", "completion_token_logps",
-           "lean_token_logps", "lean_lm_head", "LOGPS_IMPLS"]
+           "lean_token_logps", "lean_lm_head", "scored_tokens", "LOGPS_IMPLS"]
 
 
 @dataclass
@@ -104,7 +107,7 @@ class _LabelLogProb(torch.autograd.Function):
             g = grad_token_logps[span, None]
             chunk_grad = (logits_2d.index_select(0, rows[span]).float() - logsumexp[span, None]).exp_().mul_(-g)
             chunk_grad.scatter_add_(1, targets[span, None], g)
-            grad.index_copy_(0, rows[span], chunk_grad.to(grad.dtype))  # each row is selected once
+            grad.index_add_(0, rows[span], chunk_grad.to(grad.dtype))  # a prompt's last row is scored twice when shared
         return grad, None, None, None
 
 
@@ -114,30 +117,36 @@ def completion_token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tok
     Returns ``(rows, token_logps, mean_logit)`` with ``rows`` the flat positions.
     ``nonzero`` syncs once per call; it buys computing only completion tokens.
     """
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    logits_2d = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
-    token_logps, mean_logit = _LabelLogProb.apply(logits_2d, rows, flat_labels[rows], chunk_tokens)
+    token_logps, mean_logit = _plain_logps_at(logits, rows, flat_labels[rows], chunk_tokens)
     return rows, token_logps, mean_logit
 
 
-def _per_sequence(rows, token_logps, mean_logit, seq_index, num_sequences: int) -> SequenceLogps:
-    seq = seq_index.reshape(-1)[rows]
-    zeros = torch.zeros(num_sequences, dtype=torch.float32, device=token_logps.device)
-    return SequenceLogps(
-        logps=zeros.index_add(0, seq, token_logps),
-        tokens=zeros.index_add(0, seq, torch.ones_like(token_logps)),
-        logits_sum=zeros.index_add(0, seq, mean_logit),
-    )
+def _plain_logps_at(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
+    """Log-probs of ``targets`` at the flat positions ``rows`` of ``logits`` [..., V] (a row may repeat)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _LabelLogProb.apply(logits.reshape(-1, logits.shape[-1]), rows, targets, chunk_tokens)
+
+
+def _per_sequence(seq, token_logps, mean_logit, num_sequences: int) -> SequenceLogps:
+    """Sums per canonical sequence; ``seq`` is the sequence of each scored token.  Accumulated in fp64, so a sum
+    does not depend on the order of its tokens (which the layouts differ in) beyond fp32 rounding of the result."""
+    zeros = torch.zeros(num_sequences, dtype=torch.float64, device=token_logps.device)
+
+    def total(values: torch.Tensor) -> torch.Tensor:
+        return zeros.index_add(0, seq, values.double()).float()
+
+    return SequenceLogps(logps=total(token_logps), tokens=total(torch.ones_like(token_logps)),
+                         logits_sum=total(mean_logit))
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.Tensor, num_sequences: int,
                    chunk_tokens: int = 4096) -> SequenceLogps:
     """Per-sequence sums of completion-token log-probs; ``logits`` [N, L, V], labels/seq_index [N, L]."""
     rows, token_logps, mean_logit = completion_token_logps(logits, labels, chunk_tokens)
-    return _per_sequence(rows, token_logps, mean_logit, seq_index, num_sequences)
+    return _per_sequence(seq_index.reshape(-1)[rows], token_logps, mean_logit, num_sequences)
 
 
 # ----------------------------------------------------------------------------- lean: no [T, V] logits
@@ -239,15 +248,33 @@ class _LeanLabelLogProb(torch.autograd.Function):
 
 def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk_tokens: int = 4096):
     """Like :func:`completion_token_logps`, from final hidden states ``[N, L, H]`` and the lm_head."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
+    token_logps, mean_logit = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens)
+    return rows, token_logps, mean_logit
+
+
+def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear,
+                   chunk_tokens: int):
+    """Log-probs of ``targets`` from the hidden states at the flat positions ``rows`` (a row may repeat: its
+    gradient is summed by ``index_select``'s backward)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     spans = [slice(start, start + chunk_tokens) for start in range(0, rows.numel(), chunk_tokens)]
-    token_logps, mean_logit = _as_head_call(
-        head, lambda x, y: _LeanLabelLogProb.apply(x, y, head.weight, head.bias, head, spans), selected, flat_labels[rows])
-    return rows, token_logps, mean_logit
+    return _as_head_call(
+        head, lambda x, y: _LeanLabelLogProb.apply(x, y, head.weight, head.bias, head, spans), selected, targets)
+
+
+def scored_tokens(batch: ModelBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flat position, target token, canonical sequence) of every scored token of ``batch``: the labelled
+    positions, and in a prefix-shared row each prompt's last position again for its rejected completion
+    (``fork_labels``, sequence ``seq_index + 1``).  One ``nonzero`` (one device sync)."""
+    labels = batch.labels.reshape(1, -1)
+    if batch.fork_labels is not None:
+        labels = torch.cat([labels, batch.fork_labels.reshape(1, -1)])
+    fork, rows = (labels != -100).nonzero(as_tuple=True)
+    return rows, labels[fork, rows], batch.seq_index.reshape(-1)[rows] + fork
 
 
 def _final_hidden_states(model, batch: ModelBatch, attn: str) -> torch.Tensor:
@@ -269,9 +296,11 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096,
     if impl == "lean" and head is None:
         warnings.warn("lean log-probs: this model post-processes its logits or has no linear lm_head; "
                       "computing full logits instead", stacklevel=2)
+    rows, targets, seq = scored_tokens(batch)
     if head is None:
-        output = model(**model_forward_kwargs(batch, attn))
-        return sequence_logps(output.logits, batch.labels, batch.seq_index, batch.num_sequences, chunk_tokens)
-    hidden = _final_hidden_states(model, batch, attn)
-    rows, token_logps, mean_logit = lean_token_logps(hidden, batch.labels, head, chunk_tokens)
-    return _per_sequence(rows, token_logps, mean_logit, batch.seq_index, batch.num_sequences)
+        logits = model(**model_forward_kwargs(batch, attn)).logits
+        token_logps, mean_logit = _plain_logps_at(logits, rows, targets, chunk_tokens)
+    else:
+        token_logps, mean_logit = _lean_logps_at(_final_hidden_states(model, batch, attn), rows, targets, head,
+                                                 chunk_tokens)
+    return _per_sequence(seq, token_logps, mean_logit, batch.num_sequences)

@@ -26,11 +26,12 @@ from ..data.run_plan import checked_plan_config
 from ..data.source import prepare_run_data, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
-from ..model.attention import ULYSSES_ATTN, resolve_attn
+from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, resolve_attn
 from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
 from ..model.logps import SequenceLogps, forward_logps
 from ..model.losses import LossConfig
+from ..model.prefix_attention import PREFIX_FLASH
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
 from .engines import (build_policy, build_reference, fill_ds_config, load_ds_config, load_model, model_config,
                       model_hidden_size, zero_stage)
@@ -63,9 +64,18 @@ class RunSetup:
     precomputed: PrecomputedReference | None = None  # the --ref-logps file
 
     @property
+    def prefix_sharing(self) -> bool:
+        """Rows lay out each pair as [prompt | chosen | rejected] (phase one refused a backend that cannot, except for
+        ``check``, which then checks packing alone)."""
+        return self.cfg.shares_prefixes and runs_prefix_sharing(self.attn, self.layout.sp_size)
+
+    @property
     def model_attn(self) -> str:
-        """The model's attn_implementation: Ulysses (around ``attn``) under sequence parallelism."""
-        return ULYSSES_ATTN if self.layout.sp_size > 1 else self.attn
+        """The model's attn_implementation: Ulysses (around ``attn``) under sequence parallelism; flash-attn with
+        prefix sharing through ``PREFIX_FLASH``."""
+        if self.layout.sp_size > 1:
+            return ULYSSES_ATTN
+        return PREFIX_FLASH[self.attn] if self.prefix_sharing and is_flash(self.attn) else self.attn
 
     @property
     def vocab_size(self) -> int:
@@ -87,6 +97,21 @@ def check_output_dir(cfg: TrainConfig) -> None:
                              "resume; pass --overwrite to write into it")
         raise InputError(f"--output-dir {out}: folder is not empty (pass --overwrite to write into it, or "
                          "--resume auto to continue the run saved there)")
+
+
+def runs_prefix_sharing(attn: str, sp_size: int) -> bool:
+    """Whether ``attn`` runs prefix-shared rows: sdpa_varlen and flash-attn at one rank, every local attention of
+    Ulysses.  transformers' sdpa, eager and flex_attention derive their masks from position ids, which cannot say
+    [prompt | chosen | rejected]."""
+    return sp_size > 1 or attn == SDPA_VARLEN or is_flash(attn)
+
+
+def check_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout) -> None:
+    if cfg.shares_prefixes and not runs_prefix_sharing(attn, layout.sp_size):
+        raise InputError(f"--attn {attn}: prefix sharing (on by default for packed runs) needs --attn auto, "
+                         f"{SDPA_VARLEN}, flash_attention_2 or flash_attention_3 ({attn} derives its masks from "
+                         f"position ids, which cannot say [prompt | chosen | rejected]); add --no-prefix-sharing to "
+                         f"run {attn}")
 
 
 def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int) -> None:
@@ -118,6 +143,8 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
                                         world_size=1 if command == "check" else world_size)
     if command == "train":
         check_output_dir(cfg)
+    if command != "check":  # check reports packing alone for a backend that cannot share prefixes
+        check_prefix_sharing(cfg, attn, layout)
     tokenizer, rows = tokenizer_and_rows(cfg)
     check_layout_settings(cfg, layout, attn, len(tokenizer))
     ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
@@ -169,15 +196,18 @@ class Run:
             return self.forward_logps(self.reference, batch)
 
     def row_batch(self, row) -> ModelBatch:
-        """The model inputs of one planned row, packed or padded as the run is, on this rank's device."""
+        """The model inputs of one planned row, packed (each prompt once with prefix sharing) or padded as the run is,
+        on this rank's device."""
         setup = self.setup
-        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.cfg.packing).to(self.device)
+        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.cfg.packing,
+                           shared_prefix=setup.prefix_sharing).to(self.device)
 
     def check_packing(self) -> None:
-        """The start-up guard (packed runs): packed log-probs equal each sequence alone, on every rank together."""
+        """The start-up guard (packed runs): packed log-probs, in the run's layout (prefix-shared or not), equal each
+        sequence alone, on every rank together."""
         model = self.policy if self.policy is not None else self.reference
         assert_packing_exact(model, self.setup.model_attn, self.setup.vocab_size, self.setup.pad_token_id,
-                             device=self.device, forward=self._forward)
+                             device=self.device, forward=self._forward, shared_prefix=self.setup.prefix_sharing)
 
     def close(self) -> None:
         """Frees the engines before the next run of this process is built (a bench's next configuration)."""
@@ -218,5 +248,5 @@ def assemble(cfg: TrainConfig, command: str = "train") -> Run:
 
 def model_alone(setup: RunSetup):
     """``check``: the policy model in this process, no process group and no DeepSpeed, on the accelerator."""
-    model = load_model(setup.cfg, setup.cfg.model, setup.vocab_size, setup.attn)
+    model = load_model(setup.cfg, setup.cfg.model, setup.vocab_size, setup.model_attn)
     return model.to(get_accelerator().current_device_name())

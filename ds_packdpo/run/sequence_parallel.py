@@ -16,7 +16,8 @@ A pair longer than one rank's memory still trains when S ranks share its row:
 * **Attention** (:func:`register_ulysses_attention`).  DeepSpeed-Ulysses
   (``DistributedAttention``): an all-to-all turns [T/S tokens, all heads] into
   [T tokens, H/S heads], a local varlen attention runs over the whole row's
-  ``cu_seqlens``, and an all-to-all turns it back.  It is registered through
+  ``cu_seqlens`` (a prefix-shared row: the shared-prefix kernel over its ``PrefixLayout``),
+  and an all-to-all turns it back.  It is registered through
   transformers' ``AttentionInterface`` so the HF model calls it.
 * **Log-probs** (:func:`all_reduce_sequence_logps`).  Each rank sums its slice's
   token log-probs per sequence; one all-reduce(sum) of the 2P-float vectors over
@@ -38,8 +39,9 @@ from transformers import AttentionInterface, modeling_flash_attention_utils
 
 from ..errors import InputError
 from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, varlen_attention
-from ..model.collate import IGNORE_INDEX, ModelBatch
+from ..model.collate import IGNORE_INDEX, ModelBatch, PrefixLayout
 from ..model.logps import SequenceLogps, forward_logps
+from ..model.prefix_attention import flash_shared_prefix, shared_prefix_attention
 from .layout import ParallelLayout
 
 # (q, k, v, cu_seqlens, max_seqlen, *, scale) -> out; q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0, out [T, Hq, D].
@@ -90,7 +92,9 @@ def slice_row(batch: ModelBatch, sp_size: int, sp_rank: int, pad_token_id: int) 
     The row is padded to a multiple of S with tokens forming one extra segment
     (positions 0.., label -100, sequence -1), so no real sequence attends to them
     and nothing sums them.  A row without ``cu_seqlens`` (one sequence alone) is
-    one segment.  Counts (``real_tokens``, ``computed_tokens``) are the whole row's.
+    one segment.  A prefix-shared row keeps its whole (padded) ``PrefixLayout`` and slices
+    its ``fork_labels`` like its labels.  Counts (``real_tokens``, ``computed_tokens``) are
+    the whole row's.
     """
     if batch.attention_mask is not None or batch.input_ids.shape[0] != 1:
         raise ValueError("sequence parallelism slices packed rows ([1, T], no attention mask)")
@@ -112,6 +116,8 @@ def slice_row(batch: ModelBatch, sp_size: int, sp_rank: int, pad_token_id: int) 
         "labels": extend(batch.labels, filler + IGNORE_INDEX),
         "seq_index": extend(batch.seq_index, filler - 1),
     }
+    if batch.fork_labels is not None:
+        pieces["fork_labels"] = extend(batch.fork_labels, filler + IGNORE_INDEX)
     if pad:
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([padded])])
     local = padded // sp_size
@@ -119,7 +125,8 @@ def slice_row(batch: ModelBatch, sp_size: int, sp_rank: int, pad_token_id: int) 
     return dataclasses.replace(
         batch, **{name: value[:, span] for name, value in pieces.items()},
         cu_seqlens=cu_seqlens.to(torch.int32), max_seqlen=max(batch.max_seqlen, pad),
-        computed_tokens=max(batch.computed_tokens, padded))
+        computed_tokens=max(batch.computed_tokens, padded),
+        prefix_layout=batch.prefix_layout.padded(pad) if batch.prefix_layout is not None else None)
 
 
 # ----------------------------------------------------------------------------- local attention over the whole row
@@ -149,6 +156,11 @@ def local_attention_for(attn: str) -> LocalVarlenAttention:
     return flash_varlen(attn) if is_flash(attn) else segment_sdpa
 
 
+def local_shared_attention_for(attn: str):
+    """The local kernel of prefix-shared rows (``shared_prefix_attention``'s signature)."""
+    return flash_shared_prefix(attn) if is_flash(attn) else shared_prefix_attention
+
+
 # ----------------------------------------------------------------------------- Ulysses through transformers
 
 
@@ -164,17 +176,22 @@ _ULYSSES: _Ulysses | None = None
 
 
 def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
-                       cu_seq_lens_q=None, max_length_q=None, **kwargs):
+                       cu_seq_lens_q=None, max_length_q=None, prefix_layout: PrefixLayout | None = None, **kwargs):
     """transformers attention function: q/k/v [1, heads, T/S, dim] of this rank's slice -> [1, T/S, heads, dim].
 
     The whole row's boundaries arrive as the varlen kwargs ``cu_seq_lens_q`` /
-    ``max_length_q`` (see :func:`ds_packdpo.attention.model_forward_kwargs`); the mask
-    transformers would build for the local slice is meaningless and ignored.
+    ``max_length_q`` (see :func:`ds_packdpo.attention.model_forward_kwargs`), or for a
+    prefix-shared row as its ``prefix_layout``; the mask transformers would build for the
+    local slice is meaningless and ignored.
     """
-    del attention_mask, kwargs
+    del attention_mask
     if _ULYSSES is None:
         raise RuntimeError(f"attention {ULYSSES_ATTN!r} used before register_ulysses_attention()")
-    if cu_seq_lens_q is None:
+    shared = {}
+    if prefix_layout is not None:
+        shared = {"prefix_layout": prefix_layout, "sliding_window": kwargs.get("sliding_window"),
+                  "softcap": kwargs.get("softcap")}
+    elif cu_seq_lens_q is None:
         raise RuntimeError(f"attention {ULYSSES_ATTN!r} needs the whole row's cu_seqlens (cu_seq_lens_q)")
     if dropout:
         raise NotImplementedError("attention dropout under sequence parallelism")
@@ -183,23 +200,27 @@ def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, 
         key, value = key.repeat_interleave(factor, dim=1), value.repeat_interleave(factor, dim=1)
     # DistributedAttention's layout: [seq, batch, heads, dim], batch in dim 1 (scatter heads, gather sequence).
     q, k, v = (x.permute(2, 0, 1, 3) for x in (query, key, value))
-    out = _ULYSSES.attention(q, k, v, 1, None, cu_seq_lens_q, max_length_q, scale=scaling)
+    out = _ULYSSES.attention(q, k, v, 1, None, cu_seq_lens_q, max_length_q, scale=scaling, **shared)
     return out.permute(1, 0, 2, 3), None
 
 
-def _local_on_row(local: LocalVarlenAttention):
-    """Adapts a (q, k, v, cu_seqlens, max_seqlen) kernel on [T, heads, dim] to DistributedAttention's [T, 1, h, d]."""
+def _local_on_row(local: LocalVarlenAttention, shared):
+    """Adapts a (q, k, v, cu_seqlens, max_seqlen) kernel on [T, heads, dim], and the ``shared`` kernel of
+    prefix-shared rows, to DistributedAttention's [T, 1, h, d]."""
 
-    def attend(q, k, v, cu_seqlens, max_seqlen, scale=None):
+    def attend(q, k, v, cu_seqlens, max_seqlen, scale=None, prefix_layout=None, **window):
+        if prefix_layout is not None:
+            return shared(q[:, 0], k[:, 0], v[:, 0], prefix_layout, scale=scale, **window)[:, None]
         return local(q[:, 0], k[:, 0], v[:, 0], cu_seqlens, max_seqlen, scale=scale)[:, None]
 
     return attend
 
 
-def register_ulysses_attention(group, sp_size: int, local: LocalVarlenAttention) -> str:
+def register_ulysses_attention(group, sp_size: int, local: LocalVarlenAttention, shared=shared_prefix_attention) -> str:
     """Registers the Ulysses attention with transformers for this process; returns its ``attn_implementation`` name."""
     global _ULYSSES
-    _ULYSSES = _Ulysses(DistributedAttention(_local_on_row(local), group, scatter_idx=2, gather_idx=0), sp_size)
+    _ULYSSES = _Ulysses(DistributedAttention(_local_on_row(local, shared), group, scatter_idx=2, gather_idx=0),
+                        sp_size)
     AttentionInterface.register(ULYSSES_ATTN, _ulysses_attention)
     return ULYSSES_ATTN
 
@@ -267,5 +288,5 @@ def init_sequence_parallel(layout: ParallelLayout, attn: str, pad_token_id: int)
         raise RuntimeError(f"DeepSpeed puts this rank at {mpu.get_sequence_parallel_rank()} of its sequence-parallel "
                            f"group; the layout says {layout.sp_rank}")
     group = mpu.get_sequence_parallel_group()
-    register_ulysses_attention(group, layout.sp_size, local_attention_for(attn))
+    register_ulysses_attention(group, layout.sp_size, local_attention_for(attn), local_shared_attention_for(attn))
     return SequenceParallel(layout.sp_size, layout.sp_rank, group, pad_token_id), mpu

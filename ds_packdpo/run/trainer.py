@@ -28,7 +28,7 @@ from .metrics import MetricsWriter
 from .process_group import close_process_group, is_collective_failure
 from .timing import StepTimer, throughput_meter
 
-STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens")
+STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens", "prompt_tokens_shared")
 logger = logging.getLogger("ds_packdpo")
 
 
@@ -83,6 +83,7 @@ class DPOTrainer:
             row_sums["loss_sum"] = losses.detach().sum()
             row_sums["real_tokens"] = torch.tensor(float(batch.real_tokens), device=self.device)
             row_sums["computed_tokens"] = torch.tensor(float(batch.computed_tokens), device=self.device)
+            row_sums["prompt_tokens_shared"] = torch.tensor(float(batch.prompt_tokens_shared), device=self.device)
             for key, value in row_sums.items():
                 sums[key] = sums.get(key, 0.0) + value.detach().float() * counted
         keys = sorted(sums)
@@ -99,6 +100,7 @@ class DPOTrainer:
             "pairs": int(round(totals["pairs"])),
             "tokens": int(round(totals["real_tokens"])),
             "computed_tokens": int(round(totals["computed_tokens"])),
+            "prompt_tokens_shared": int(round(totals["prompt_tokens_shared"])),
             "rows_per_rank": len(rows),
             "max_rank_tokens": max(plan.rank_tokens),
             "mean_rank_tokens": sum(plan.rank_tokens) / len(plan.rank_tokens),
@@ -149,7 +151,8 @@ def train_loop(run: Run) -> list[dict]:
     global_step, bad_steps = start.global_step, start.bad_steps
     position = (start.epoch, start.epoch_step)  # plan position of the next step
     plans = iter_plan(setup.prepared.chosen_lengths, setup.prepared.rejected_lengths, setup.plan_cfg, cfg.epochs,
-                      start_epoch=start.epoch, start_step=start.epoch_step)
+                      start_epoch=start.epoch, start_step=start.epoch_step,
+                      prompt_lengths=setup.prepared.prompt_lengths)
     try:
         for plan in plans:  # collectives here fail fast on a dead peer, after --collective-timeout-s on a stalled one
             if global_step >= steps:
