@@ -198,3 +198,18 @@ def test_phase_one_shares_prefixes_where_the_backend_can(tmp_path):
     assert not setup("--attn", "sdpa", "--no-prefix-sharing").prefix_sharing
     with pytest.raises(InputError, match=r"^--attn sdpa: prefix sharing .* add --no-prefix-sharing to run sdpa$"):
         setup("--attn", "sdpa")
+
+
+def test_prefix_flash_backend_runs_shared_rows_through_the_flash_call(monkeypatch):
+    """A model built with ``PREFIX_FLASH['flash_attention_2']`` gets the shared row's layout and makes the one varlen
+    call (emulated here) per layer: the same log-probs as sdpa_varlen's CPU kernel."""
+    monkeypatch.setattr(prefix_attention, "flash_attn_supports_top_left_mask", lambda: False)
+    monkeypatch.setattr(prefix_attention, "lazy_import_flash_attention",
+                        lambda attn: ((None, emulated_flash_varlen), None))
+    shared = collate_shared(random_pairs(3, seed=4), [0, 1, 2], 0)
+    name = prefix_attention.PREFIX_FLASH["flash_attention_2"]
+    with torch.no_grad():
+        got = forward_logps(build_model(None, "tiny", VOCAB, torch.float32, name, seed=0), shared, name)
+        want = forward_logps(build_model(None, "tiny", VOCAB, torch.float32, "sdpa_varlen", seed=0), shared,
+                             "sdpa_varlen")
+    assert (got.logps - want.logps).abs().max() <= 1e-6 * want.logps.abs().max()

@@ -43,6 +43,7 @@ import math
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.flash_attention import get_target_dtype
 from transformers.modeling_flash_attention_utils import (_flash_attention_forward, flash_attn_supports_top_left_mask,
                                                          lazy_import_flash_attention)
 
@@ -212,19 +213,17 @@ def prefix_attention_forward(kernel, query, key, value, prefix_layout: PrefixLay
 def _flash_prefix_forward(attn: str):
     """The attention function of ``PREFIX_FLASH[attn]``: shared rows through :func:`flash_shared_prefix`, any other
     input (a sequence alone, an unshared packed row) through transformers' own flash path of ``attn``."""
-    shared = None
 
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                 softcap=None, prefix_layout: PrefixLayout | None = None, **kwargs):
-        nonlocal shared
-        if prefix_layout is not None:
-            shared = shared or flash_shared_prefix(attn)
-            return prefix_attention_forward(shared, query, key, value, prefix_layout, dropout, scaling,
-                                            sliding_window, softcap)
+        if prefix_layout is not None:  # flash_shared_prefix looks flash-attn up in transformers' cache: cheap
+            return prefix_attention_forward(flash_shared_prefix(attn), query, key, value, prefix_layout, dropout,
+                                            scaling, sliding_window, softcap)
         out = _flash_attention_forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                        attention_mask, query_length=query.shape[2], is_causal=True, dropout=dropout,
                                        softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap,
-                                       attn_implementation=attn, **kwargs)
+                                       target_dtype=get_target_dtype(query, module), attn_implementation=attn,
+                                       **kwargs)
         return out, None
 
     return forward
