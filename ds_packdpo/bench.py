@@ -35,7 +35,8 @@ import transformers
 from filelock import FileLock
 
 from .config import TrainConfig, add_arguments, config_from_args, to_dict
-from .data.plan import iter_plan, steps_per_epoch
+from .data.plan import steps_per_epoch
+from .data.run_plan import run_plan
 from .errors import InputError, run_guarded
 from .model.build import tiny_config
 from .precompute_ref import precompute
@@ -153,8 +154,7 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
         timer = StepTimer()
         steps = []
         # Every rank holds the whole plan, so rank 0's records carry every data-parallel share's load.
-        plans = iter_plan(*lengths, setup.plan_cfg, cfg.epochs, prompt_lengths=setup.prepared.prompt_lengths)
-        for index, plan in enumerate(plans):
+        for index, plan in enumerate(run_plan(setup.prepared, setup.plan_cfg, cfg.epochs)):
             if index >= warmup_steps + cfg.max_steps:
                 break
             timer.begin()

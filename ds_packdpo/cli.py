@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Callable
 
 from .config import add_arguments, config_from_args, parse_train_args
-from .data.plan import iter_plan, pack_stats, write_plan_jsonl
+from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
-from .data.run_plan import checked_plan_config
+from .data.run_plan import checked_plan_config, run_plan
 from .data.source import prepare_run_data, tokenizer_and_rows
 from .errors import InputError, PeerFailureError, run_guarded
 from .files import check_output_file
@@ -126,11 +126,11 @@ def cmd_pack_stats(argv: list[str]) -> int:
         tokenizer, rows = tokenizer_and_rows(cfg)
         prepared = prepare_run_data(cfg, tokenizer, rows)
         plan_cfg = checked_plan_config(cfg, layout, prepared)
-        lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
-        stats = pack_stats(*lengths, plan_cfg, epochs=cfg.epochs, prompt_lengths=prepared.prompt_lengths)
+        stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=cfg.epochs,
+                           prompt_lengths=prepared.prompt_lengths)
         if args.plan_out:
-            write_plan_jsonl(iter_plan(*lengths, plan_cfg, cfg.epochs, prompt_lengths=prepared.prompt_lengths),
-                             args.plan_out, pair_ids=prepared.dataset["pair_id"])
+            write_plan_jsonl(run_plan(prepared, plan_cfg, cfg.epochs), args.plan_out,
+                             pair_ids=prepared.dataset["pair_id"])
         print(json.dumps({"dataset": cfg.dataset or "synthetic", "layout": layout.as_dict(), **stats,
                           "data": {k: prepared.summary[k] for k in ("rows", "kept", "dropped")}}, indent=2))
         return 0

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .config import add_arguments, config_from_args
-from .data.plan import iter_plan
+from .data.run_plan import run_plan
 from .errors import run_guarded
 from .run.assemble import RunSetup, prepare, start
 from .run.process_group import close_process_group
@@ -57,8 +57,7 @@ def precompute(cfg, out: str | None) -> dict | None:
     pair_ids = setup.prepared.dataset["pair_id"]
     plan_cfg = dataclasses.replace(setup.plan_cfg, drop_last=False)  # every pair, once
     local = {key: [] for key in RECORD_KEYS}
-    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-    for plan in iter_plan(*lengths, plan_cfg, epochs=1, prompt_lengths=setup.prepared.prompt_lengths):
+    for plan in run_plan(setup.prepared, plan_cfg, epochs=1):
         for row in plan.ranks[layout.dp_rank]:
             seqs = run.reference_logps(run.row_batch(row))
             if not layout.counts_metrics:

@@ -16,7 +16,7 @@ import pytest
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.data.plan import iter_plan
+from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.run.assemble import prepare
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ds_packdpo"
@@ -44,8 +44,7 @@ def test_pack_stats_plans_exactly_what_training_runs_under_sequence_parallelism(
     setup = prepare(parse_train_args([*SMALL, *cache, "--sequence-parallel-size", "2", "--max-tokens-per-row", "100",
                                       "--output-dir", str(tmp_path / "out")]), "train", world_size=4)
     assert (setup.layout.dp_size, setup.layout.sp_size, setup.plan_cfg.max_tokens_per_row) == (2, 2, 200)
-    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-    plans = iter_plan(*lengths, setup.plan_cfg, 1, prompt_lengths=setup.prepared.prompt_lengths)
+    plans = run_plan(setup.prepared, setup.plan_cfg, 1)
     planned = [(plan.step, rank, list(row.pairs)) for plan in plans for rank, rows in enumerate(plan.ranks) for row in rows]
     pair_ids = setup.prepared.dataset["pair_id"]
     assert [(r["step"], r["rank"], r["pairs"]) for r in _plan_lines(sp2)] == [

@@ -87,14 +87,13 @@ def test_nan_steps_are_skipped_then_the_run_aborts(tmp_path):
 def step_logps(model, tmp_path: Path, step: int, tokenizer) -> tuple[float, float]:
     """Mean chosen/rejected log-probs of ``model`` over the pairs of optimizer ``step`` (one packed row)."""
     from ds_packdpo.config import parse_train_args
-    from ds_packdpo.data.plan import iter_plan
+    from ds_packdpo.data.run_plan import run_plan
     from ds_packdpo.model.collate import collate_row
     from ds_packdpo.model.logps import forward_logps
     from ds_packdpo.run.assemble import prepare
 
     setup = prepare(parse_train_args(flags(tmp_path, "plan_only")))
-    plan = next(iter(iter_plan(setup.prepared.chosen_lengths, setup.prepared.rejected_lengths, setup.plan_cfg, 1,
-                               start_step=step - 1)))
+    plan = next(iter(run_plan(setup.prepared, setup.plan_cfg, 1, start_step=step - 1)))
     batch = collate_row(setup.prepared.dataset, plan.pairs, tokenizer.pad_token_id)
     with torch.no_grad():
         out = forward_logps(model, batch, "sdpa")

@@ -7,10 +7,12 @@ what training would run.  No torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from ..errors import InputError
-from .plan import PlanConfig, pair_tokens, validate_lengths, warn_if_ranks_idle
+from .plan import PlanConfig, StepPlan, iter_plan, pair_tokens, validate_lengths, warn_if_ranks_idle
 from .prepare import PreparedPairs
 
 
@@ -26,6 +28,14 @@ def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int
                          f"{sp_size} x --max-tokens-per-row {per_rank_budget} = {sp_size * per_rank_budget}; raise "
                          f"--max-tokens-per-row to >= {-(-need // sp_size)} or --sequence-parallel-size to >= "
                          f"{-(-need // per_rank_budget)}")
+
+
+def run_plan(prepared: PreparedPairs, plan_cfg: PlanConfig, epochs: int, start_epoch: int = 0,
+             start_step: int = 0) -> Iterator[StepPlan]:
+    """The steps of a run over its tokenized pairs: ``iter_plan`` with every length the plan may need (the prompts',
+    for rows that hold each prompt once)."""
+    return iter_plan(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs, start_epoch, start_step,
+                     prompt_lengths=prepared.prompt_lengths)
 
 
 def checked_plan_config(cfg, layout, prepared: PreparedPairs) -> PlanConfig:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..data.plan import iter_plan, steps_per_epoch
+from ..data.plan import steps_per_epoch
+from ..data.run_plan import run_plan
 from ..errors import PeerFailureError, RunAbortedError, TooManyBadStepsError, first_line
 from ..model.losses import global_normalized_loss, metric_means, metric_sums, pair_losses
 from . import faults
@@ -150,9 +151,7 @@ def train_loop(run: Run) -> list[dict]:
     timer = StepTimer()
     global_step, bad_steps = start.global_step, start.bad_steps
     position = (start.epoch, start.epoch_step)  # plan position of the next step
-    plans = iter_plan(setup.prepared.chosen_lengths, setup.prepared.rejected_lengths, setup.plan_cfg, cfg.epochs,
-                      start_epoch=start.epoch, start_step=start.epoch_step,
-                      prompt_lengths=setup.prepared.prompt_lengths)
+    plans = run_plan(setup.prepared, setup.plan_cfg, cfg.epochs, start_epoch=start.epoch, start_step=start.epoch_step)
     try:
         for plan in plans:  # collectives here fail fast on a dead peer, after --collective-timeout-s on a stalled one
             if global_step >= steps:
