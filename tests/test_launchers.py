@@ -184,7 +184,8 @@ def assert_world_of_two_learning(records: list[dict]) -> None:
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["pairs"] == 12
-        assert r["tokens"] == 2 * r["mean_rank_tokens"]  # the plan dealt the step's tokens to 2 ranks
+        # the plan dealt the step's tokens to 2 ranks, each pair's prompt once (prefix sharing)
+        assert r["tokens"] - r["prompt_tokens_shared"] == 2 * r["mean_rank_tokens"] and r["prompt_tokens_shared"] > 0
         assert all(math.isfinite(r[k]) for k in COMPARED) and r["grad_norm"] > 0
     assert records[0]["loss"] == pytest.approx(LN2, abs=1e-6)  # policy == reference at step 1
     assert records[0]["loss"] > records[1]["loss"] > records[2]["loss"]
