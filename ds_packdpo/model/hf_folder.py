@@ -100,7 +100,10 @@ def write_hf_folder(out: str | Path, weights: WeightsSource, config, tokenizer, 
     def fill(folder: Path) -> None:
         weight_map = {}
         for filename, names in plan.filename_to_tensors.items():
-            shard = {name: tensor.to(_output_dtype(tensor, dtype)).contiguous() for name, tensor in weights.load(names)}
+            shard = {}
+            for name, tensor in weights.load(names):
+                shard[name] = tensor.to(_output_dtype(tensor, dtype)).contiguous()
+                del tensor  # the source's copy goes before the next one is made
             shard = revert_weight_conversion(model, shard)  # the checkpoint names of models that rename on load
             save_file(shard, folder / filename, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, filename))
