@@ -234,6 +234,8 @@ def export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=True, help="A checkpoint folder, or a --save-dir (its 'latest').")
     parser.add_argument("--out", required=True, help="The Hugging Face folder to write.")
     parser.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="Default: the training dtype.")
+    parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors file (e.g. 5GB, 500MB); a "
+                        "larger model is split into several, with an index. Memory holds one shard at a time.")
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out folder.")
     parser.add_argument("--trust-remote-code", action="store_true")
     return parser
@@ -246,7 +248,8 @@ def cmd_export(argv: list[str]) -> int:
         from .run.export import export_checkpoint
 
         print(json.dumps(export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite,
-                                           trust_remote_code=args.trust_remote_code)))
+                                           trust_remote_code=args.trust_remote_code,
+                                           max_shard_size=args.max_shard_size)))
         return 0
 
     return run_guarded(job)

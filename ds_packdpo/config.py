@@ -117,8 +117,13 @@ class TrainConfig:
     save_total_limit: int | None = _opt("Keep only the newest K checkpoints.")
     resume: str | None = _opt("'auto' (the latest complete checkpoint in --save-dir, or a fresh start when there is "
                               "none) or a checkpoint folder; continues the run exactly.")
+    allow_new_layout: bool = _opt("Let --resume load a checkpoint written by another number of ranks (or data-/"
+                                  "sequence-parallel split): it is converted once to DeepSpeed's universal format "
+                                  "(kept in the checkpoint's folder) and loaded at this run's layout (ZeRO-3).", False)
     export_on_end: bool = _opt("At the end, write a Hugging Face folder (safetensors, config, tokenizer) to "
                                "OUTPUT_DIR/hf_model, in --dtype.", False)
+    max_shard_size: str = _opt("Largest safetensors file of --export-on-end (e.g. 5GB, 500MB); a larger model is split "
+                               "into several, with an index.", "5GB")
     max_bad_steps: int = _opt("A step with a NaN/inf loss or gradient is skipped; abort after this many in a row.", 3)
 
     # ------------------------------------------------------------------
@@ -216,6 +221,8 @@ class TrainConfig:
             raise InputError(f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
         if self.save_total_limit is not None and not self.save_steps:
             raise InputError("--save-total-limit needs --save-steps (nothing is saved without it)")
+        if self.allow_new_layout and self.resume is None:
+            raise InputError("--allow-new-layout needs --resume (it says how to load a checkpoint)")
         if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():
             raise InputError(f"--resume {self.resume}: no such checkpoint folder (or pass 'auto')")
         if self.model is None and self.ref_model is not None:

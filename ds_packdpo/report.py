@@ -17,8 +17,6 @@ sibling and renamed into place, so a reader never sees a half-written report.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 
 from .errors import InputError
+from .files import atomic_folder
 
 matplotlib.use("Agg")  # files only, no display
 
@@ -166,20 +165,7 @@ def write_atomically(out: Path, overwrite: bool, fill) -> None:
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise InputError(f"--out {out}: exists and is not an empty folder (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        fill(staging)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            out.rename(old / "report")
-            staging.rename(out)
-            shutil.rmtree(old)
-        else:
-            staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    atomic_folder(out, fill)
 
 
 def write_report_folder(report: dict, out: Path, overwrite: bool = False) -> None:

@@ -1,8 +1,9 @@
 """One assembly for every run: train, each bench configuration, precompute-ref and check build their run here.
 
 Phase one (:func:`prepare`) needs no process group: settings, the parallel layout, the
-DeepSpeed config, the model config, the tokenized data, the plan, the resume point and
-a precomputed reference file are all checked, so bad input ends in one line on every
+DeepSpeed config, the model config, the tokenized data, the plan, the resume point (and
+the universal form of a checkpoint resumed at another layout) and a precomputed
+reference file are all checked, so bad input ends in one line on every
 rank (and in the front ``ds-packdpo train`` process, before any launch) before anything
 heavy starts.  Phase two (:func:`start`) starts the process group, the sequence-parallel
 groups and their attention, the engines (or only the reference, or a precomputed
@@ -29,6 +30,7 @@ from ..errors import InputError
 from ..model.attention import ULYSSES_ATTN, resolve_attn
 from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
+from ..model.hf_folder import shard_size_bytes
 from ..model.logps import SequenceLogps, forward_logps
 from ..model.losses import LossConfig
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
@@ -38,6 +40,7 @@ from .layout import ParallelLayout
 from .process_group import init_process_group
 from .reference import PrecomputedReference, load_precomputed_reference
 from .sequence_parallel import SequenceParallel, check_attention, check_model_heads, init_sequence_parallel
+from .universal import ensure_universal, with_universal_loading
 
 # What each command builds in phase two: a trained policy (with its reference), or only a frozen reference,
 # or (check) one model in this process with no process group.
@@ -118,6 +121,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
                                         world_size=1 if command == "check" else world_size)
     if command == "train":
         check_output_dir(cfg)
+        shard_size_bytes(cfg.max_shard_size)  # --export-on-end's, refused before any work
     tokenizer, rows = tokenizer_and_rows(cfg)
     check_layout_settings(cfg, layout, attn, len(tokenizer))
     ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
@@ -127,6 +131,10 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg)
     if command == "train":
         setup.resume = check_resume(cfg, prepared.fingerprint, layout)
+        if setup.resume is not None and setup.resume.universal:
+            if layout.rank == 0:  # once, before any process group: the other ranks wait for rank 0 to start it
+                ensure_universal(setup.resume.tag_dir)
+            setup.ds_config = with_universal_loading(ds_config)
     if command in TRAINING_COMMANDS:
         setup.precomputed = load_precomputed_reference(setup)
     return setup

@@ -115,7 +115,8 @@ def total_steps(setup: RunSetup) -> int:
 
 def export_on_end(run: Run, checkpointer: Checkpointer, global_step: int, position: tuple[int, int],
                   bad_steps: int) -> None:
-    """--export-on-end: OUTPUT_DIR/hf_model from the final checkpoint's fp32 master weights, cast to --dtype.
+    """--export-on-end: OUTPUT_DIR/hf_model from the final checkpoint's fp32 master weights, cast to --dtype, in
+    safetensors files of at most --max-shard-size.
 
     Going through a checkpoint (saved here unless the last step was saved anyway)
     reuses the offline export and is exact in any dtype; gathering the engine's
@@ -128,7 +129,8 @@ def export_on_end(run: Run, checkpointer: Checkpointer, global_step: int, positi
     if run.setup.layout.rank == 0:
         # a resumed run may replace the export of its own earlier attempt
         export_checkpoint(checkpointer.save_dir / tag_name(global_step), Path(cfg.output_dir) / "hf_model",
-                          cfg.dtype, overwrite=cfg.overwrite or run.setup.resume is not None)
+                          cfg.dtype, overwrite=cfg.overwrite or run.setup.resume is not None,
+                          max_shard_size=cfg.max_shard_size)
     # no barrier after it: the export may outlast --collective-timeout-s, and the other ranks have nothing left
 
 
