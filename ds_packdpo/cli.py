@@ -236,6 +236,10 @@ def export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="Default: the training dtype.")
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out folder.")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="A LoRA checkpoint as a peft adapter folder (adapter_config.json, "
+                             "adapter_model.safetensors) for PeftModel.from_pretrained. Default: the adapters merged "
+                             "into the base weights, a plain Hugging Face folder.")
     return parser
 
 
@@ -246,7 +250,7 @@ def cmd_export(argv: list[str]) -> int:
         from .run.export import export_checkpoint
 
         print(json.dumps(export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite,
-                                           trust_remote_code=args.trust_remote_code)))
+                                           trust_remote_code=args.trust_remote_code, adapter_only=args.adapter_only)))
         return 0
 
     return run_guarded(job)

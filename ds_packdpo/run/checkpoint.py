@@ -6,7 +6,8 @@ Layout of ``--save-dir`` (default ``OUTPUT_DIR/checkpoints``)::
         *_model_states.pt, *_optim_states.pt   DeepSpeed's files; under ZeRO-3 every rank writes its shard
         ds_packdpo_state.json       plan position, fingerprint, bad-step counter, parallel layout (rank 0)
         rng_rank{r}.pt              RNG states of rank r: plain tensors/ints, loads with weights_only=True
-        hf/                         model config + tokenizer (save_pretrained): export needs nothing else
+        hf/                         model config + tokenizer (save_pretrained), and a LoRA run's adapter_config.json
+                                    (its base model's folder in base_model_name_or_path): export needs nothing else
     latest                          tag of the newest *complete* checkpoint
 
 DeepSpeed writes the tag with ``save_latest=False``; after its closing barrier rank 0
@@ -41,6 +42,7 @@ from deepspeed.accelerator import get_accelerator
 from ..config import TrainConfig
 from ..errors import InputError
 from ..files import atomic_write
+from ..model.lora import LoraSettings, save_adapter_config
 from .layout import ParallelLayout, describe_sizes
 
 STATE_FILE = "ds_packdpo_state.json"
@@ -167,12 +169,25 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout
     if state["layout"] != layout.as_dict():
         raise InputError(f"{where}: written by {describe_sizes(state['layout'])}, this run is "
                          f"{layout.describe()}; DeepSpeed ZeRO shards load only into the same layout")
+    lora = LoraSettings.of(cfg)
+    if state.get("lora") != (lora.as_dict() if lora else None):
+        raise InputError(f"{where}: written with {describe_training(state.get('lora'))}, this run trains "
+                         f"{describe_training(lora.as_dict() if lora else None)}; resume with the run's own --lora-* "
+                         f"settings")
     if state["zero_stage"] != layout.zero_stage or state["dtype"] != cfg.dtype:
         raise InputError(f"{where}: written with ZeRO stage {state['zero_stage']} and --dtype {state['dtype']}, this "
                          f"run uses stage {layout.zero_stage} and --dtype {cfg.dtype}")
     position = state["position"]
     return ResumePoint(tag_dir, position["epoch"], position["epoch_step"], position["global_step"],
                        state["bad_steps"])
+
+
+def describe_training(lora: dict | None) -> str:
+    """What a run trains, from a checkpoint's ``lora`` record (None: every weight)."""
+    if lora is None:
+        return "every weight (no LoRA)"
+    return (f"LoRA r={lora['r']} alpha={lora['alpha']:g} dropout={lora['dropout']:g} on "
+            f"{lora['target_modules']}")
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -234,6 +249,7 @@ class Checkpointer:
         self.layout = run.setup.layout
         self.save_dir = resolved_save_dir(cfg)
         self.fingerprint = plan_fingerprint(cfg, run.setup.prepared.fingerprint)
+        self.lora = LoraSettings.of(cfg)
         self.saved_step: int | None = None  # global step of the newest checkpoint of this run (same on every rank)
 
     def due(self, global_step: int, last: bool) -> bool:
@@ -264,10 +280,13 @@ class Checkpointer:
             "zero_stage": self.layout.zero_stage,
             "dtype": self.cfg.dtype,
             "output_dir": str(Path(self.cfg.output_dir).resolve()),
+            "lora": self.lora.as_dict() if self.lora else None,  # its adapter config is in hf/ too
         }
         torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
         if rank == 0:
             engine.module.config.save_pretrained(tag_dir / HF_FOLDER)
+            if self.lora:
+                save_adapter_config(engine, tag_dir / HF_FOLDER)  # export rebuilds the adapters from it
             self.run.setup.tokenizer.save_pretrained(tag_dir / HF_FOLDER)
             (tag_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         engine.save_checkpoint(str(self.save_dir), tag=tag, client_state={CLIENT_STATE_KEY: state},

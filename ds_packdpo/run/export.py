@@ -1,9 +1,12 @@
 """Checkpoint -> Hugging Face folder (safetensors + config + tokenizer), with no process group.
 
 The ZeRO shards are gathered offline by DeepSpeed's own ``zero_to_fp32`` (the fp32
-master weights, exact whatever the training dtype), loaded into a model built from
-the config saved in the checkpoint, cast to the requested dtype and written with
-``save_pretrained`` (safetensors).  The folder is written next to its destination
+master weights, exact whatever the training dtype; a LoRA run's frozen base weights
+too, as DeepSpeed saves them beside the adapters), loaded into a model built from
+the config saved in the checkpoint (with the LoRA adapters its adapter config
+describes), cast to the requested dtype and written with ``save_pretrained``
+(safetensors): a LoRA model merged into plain weights, or its adapters alone as a
+peft folder (``adapter_config.json``, ``adapter_model.safetensors``).  The folder is written next to its destination
 and renamed into place, so it is never half written, and an existing non-empty
 folder is only replaced with ``overwrite``.
 """
@@ -24,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from ..config import DTYPES
 from ..errors import InputError, first_line
 from ..model.build import TORCH_DTYPES
+from ..model.lora import ADAPTER_CONFIG_FILE, adapters_from_folder, hf_model
 from .checkpoint import HF_FOLDER, resolve_checkpoint
 
 
@@ -49,8 +53,12 @@ def unreadable_shard(tag_dir: Path) -> Path | None:
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False,
-                      trust_remote_code: bool = False) -> dict:
-    """Writes the model of ``checkpoint`` (a tag folder or a save folder with ``latest``) to ``out``."""
+                      trust_remote_code: bool = False, adapter_only: bool = False) -> dict:
+    """Writes the model of ``checkpoint`` (a tag folder or a save folder with ``latest``) to ``out``.
+
+    A LoRA checkpoint (its ``hf/adapter_config.json``) is written with its adapters merged into the base
+    weights (a plain Hugging Face folder), or with ``adapter_only`` as a peft adapter folder.
+    """
     out = Path(out)
     check_export_target(out, overwrite)
     tag_dir, state = resolve_checkpoint(checkpoint, "--checkpoint")
@@ -60,6 +68,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     if state["zero_stage"] == 0:
         raise InputError(f"--checkpoint {tag_dir}: written without ZeRO; export reads ZeRO 1-3 checkpoints")
     hf_dir = tag_dir / HF_FOLDER
+    lora = (hf_dir / ADAPTER_CONFIG_FILE).is_file()
+    if adapter_only and not lora:
+        raise InputError(f"--adapter-only: {tag_dir} was trained without LoRA (no {HF_FOLDER}/{ADAPTER_CONFIG_FILE}); "
+                         f"export it without --adapter-only")
     config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=trust_remote_code, local_files_only=True)
     # DeepSpeed reads its shards with torch.load(weights_only=False): export only checkpoints you trust.
@@ -74,23 +86,36 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     torch_dtype = TORCH_DTYPES[dtype]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        if lora:
+            model = adapters_from_folder(model, hf_dir)
     model.load_state_dict(state_dict, strict=True, assign=True)
-    model.tie_weights()
+    hf_model(model).tie_weights()
+    if lora and not adapter_only:
+        model = model.merge_and_unload()  # in fp32, then cast: W + alpha / r x B A
     model.to(torch_dtype)
-    model.config.dtype = torch_dtype
+    hf_model(model).config.dtype = torch_dtype
 
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)  # a peft model writes its adapter files only
+        tokenizer.save_pretrained(folder)
+
+    write_folder(out, write)
+    return {"checkpoint": str(tag_dir), "out": str(out), "dtype": dtype,
+            "parameters": sum(t.numel() for t in state_dict.values()),
+            "global_step": state["position"]["global_step"],
+            "written": "adapter" if adapter_only else "merged" if lora else "model"}
+
+
+def write_folder(out: Path, write) -> None:
+    """``write(folder)`` into a staging folder beside ``out``, then renamed into place: never half written."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         staging.mkdir()
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
+        write(staging)
         if out.exists():
             shutil.rmtree(out)  # empty, or --overwrite
         os.replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return {"checkpoint": str(tag_dir), "out": str(out), "dtype": dtype,
-            "parameters": sum(t.numel() for t in state_dict.values()),
-            "global_step": state["position"]["global_step"]}
