@@ -69,8 +69,13 @@ class LoraSettings:
                           bias="none", task_type="CAUSAL_LM")
 
     def as_dict(self) -> dict:
-        """What a checkpoint records (a resume with other settings is refused)."""
         return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout, "target_modules": self.target_modules}
+
+    @classmethod
+    def record(cls, cfg) -> dict | None:
+        """What a checkpoint records of a run's LoRA settings (None: full fine-tuning); a resume must match it."""
+        settings = cls.of(cfg)
+        return settings.as_dict() if settings else None
 
 
 def require_peft() -> None:
@@ -81,11 +86,12 @@ def require_peft() -> None:
 def _module_names(model: torch.nn.Module) -> list[str]:
     """The distinct last names of the modules LoRA can wrap (linear and embedding layers), for error messages."""
     kinds = (torch.nn.Linear, torch.nn.Embedding)
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if name and isinstance(module, kinds)})
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if name and isinstance(module, kinds)})
 
 
-def check_adapters(settings: LoraSettings, hf_config, where: str, trust_remote_code: bool = False) -> int:
-    """Phase one: the adapters on the model's skeleton (meta device, no memory); returns the trainable count.
+def check_adapters(settings: LoraSettings, hf_config, where: str, trust_remote_code: bool = False) -> None:
+    """Phase one: the adapters placed on the model's skeleton (meta device, no memory).
 
     A target name that matches no module is refused naming the modules that exist
     (peft refuses only when no name matches at all), and whatever peft refuses (a
@@ -102,12 +108,10 @@ def check_adapters(settings: LoraSettings, hf_config, where: str, trust_remote_c
                                  f"{where} (its linear and embedding modules: {', '.join(_module_names(model))}; "
                                  f"or '{ALL_LINEAR}')")
     try:
-        wrapped = add_adapters(model, settings)
+        add_adapters(model, settings)
     except (ValueError, TypeError) as error:  # peft's refusals (NoMatchingPeftModuleError is a ValueError)
         raise InputError(f"--lora-target-modules {settings.target_modules}: LoRA cannot wrap it in {where} "
                          f"({first_line(error)})") from None
-    trainable, _ = parameter_counts(wrapped)
-    return trainable
 
 
 def add_adapters(model: torch.nn.Module, settings: LoraSettings, seed: int = 0, base: str | None = None):

@@ -169,11 +169,10 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout
     if state["layout"] != layout.as_dict():
         raise InputError(f"{where}: written by {describe_sizes(state['layout'])}, this run is "
                          f"{layout.describe()}; DeepSpeed ZeRO shards load only into the same layout")
-    lora = LoraSettings.of(cfg)
-    if state.get("lora") != (lora.as_dict() if lora else None):
+    lora = LoraSettings.record(cfg)
+    if state.get("lora") != lora:
         raise InputError(f"{where}: written with {describe_training(state.get('lora'))}, this run trains "
-                         f"{describe_training(lora.as_dict() if lora else None)}; resume with the run's own --lora-* "
-                         f"settings")
+                         f"{describe_training(lora)}; resume with the run's own --lora-* settings")
     if state["zero_stage"] != layout.zero_stage or state["dtype"] != cfg.dtype:
         raise InputError(f"{where}: written with ZeRO stage {state['zero_stage']} and --dtype {state['dtype']}, this "
                          f"run uses stage {layout.zero_stage} and --dtype {cfg.dtype}")
@@ -249,7 +248,6 @@ class Checkpointer:
         self.layout = run.setup.layout
         self.save_dir = resolved_save_dir(cfg)
         self.fingerprint = plan_fingerprint(cfg, run.setup.prepared.fingerprint)
-        self.lora = LoraSettings.of(cfg)
         self.saved_step: int | None = None  # global step of the newest checkpoint of this run (same on every rank)
 
     def due(self, global_step: int, last: bool) -> bool:
@@ -280,12 +278,12 @@ class Checkpointer:
             "zero_stage": self.layout.zero_stage,
             "dtype": self.cfg.dtype,
             "output_dir": str(Path(self.cfg.output_dir).resolve()),
-            "lora": self.lora.as_dict() if self.lora else None,  # its adapter config is in hf/ too
+            "lora": LoraSettings.record(self.cfg),  # its adapter config is in hf/ too
         }
         torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
         if rank == 0:
             engine.module.config.save_pretrained(tag_dir / HF_FOLDER)
-            if self.lora:
+            if self.cfg.lora_r:
                 save_adapter_config(engine, tag_dir / HF_FOLDER)  # export rebuilds the adapters from it
             self.run.setup.tokenizer.save_pretrained(tag_dir / HF_FOLDER)
             (tag_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
