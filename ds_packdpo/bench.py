@@ -55,6 +55,8 @@ CONFIGURATIONS: dict[str, dict] = {
     "packed-plain-logps": {"packing": True, "logps_impl": "plain"},  # the whole [tokens x vocab] logits
     # No reference engine: its log-probs come from a file that precompute-ref writes first (not timed).
     "packed-precomputed-ref": {"packing": True, "ref_logps": "precomputed"},
+    # LoRA adapters on the frozen base; the reference is the policy with its adapters off (no reference engine).
+    "packed-lora": {"packing": True, "lora_r": 8},
 }
 PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
 DEFAULT_CONFIGURATIONS = "packed,padded"

@@ -238,6 +238,10 @@ def export_parser() -> argparse.ArgumentParser:
                         "larger model is split into several, with an index. Memory holds one shard at a time.")
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out folder.")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="A LoRA checkpoint as a peft adapter folder (adapter_config.json, "
+                             "adapter_model.safetensors) for PeftModel.from_pretrained. Default: the adapters merged "
+                             "into the base weights, a plain Hugging Face folder.")
     return parser
 
 
@@ -248,7 +252,7 @@ def cmd_export(argv: list[str]) -> int:
         from .run.export import export_checkpoint
 
         print(json.dumps(export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite,
-                                           trust_remote_code=args.trust_remote_code,
+                                           trust_remote_code=args.trust_remote_code, adapter_only=args.adapter_only,
                                            max_shard_size=args.max_shard_size)))
         return 0
 

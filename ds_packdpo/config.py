@@ -47,6 +47,16 @@ class TrainConfig:
     dtype: str = _opt("Training precision.", "fp32", DTYPES)
     attn: str = _opt("Attention backend: auto, sdpa, eager, flex_attention, flash_attention_2, flash_attention_3.", "auto")
     trust_remote_code: bool = _opt("Allow custom modelling code from model folders (off by default).", False)
+    # --- LoRA (peft: pip install -e '.[lora]') ---
+    lora_r: int = _opt("LoRA rank: train low-rank adapters on the frozen (ZeRO-sharded) base weights; the reference is "
+                       "then the policy with its adapters switched off, unless --ref-model or --ref-logps. 0 trains "
+                       "every weight.", 0)
+    lora_alpha: float | None = _opt("LoRA scaling: the adapters' update is alpha / r x B A. Default 2 x --lora-r.")
+    lora_dropout: float = _opt("Dropout on the LoRA adapters' input.", 0.0)
+    lora_target_modules: str = _opt("Modules that get LoRA adapters: comma-separated names (a module matches when its "
+                                    "name is one or ends with '.' + one, e.g. q_proj,v_proj,lm_head), or 'all-linear': "
+                                    "every linear layer but the lm_head (the decoder layers' projections).",
+                                    "all-linear")
     # --- data ---
     dataset: str | None = _opt("Preference data: a .json/.jsonl/.parquet/.arrow file, a save_to_disk folder or a hub name. "
                                "Default: the embedded synthetic dataset.")
@@ -227,6 +237,7 @@ class TrainConfig:
             raise InputError(f"--resume {self.resume}: no such checkpoint folder (or pass 'auto')")
         if self.model is None and self.ref_model is not None:
             raise InputError("--ref-model needs --model (a model built from a config is its own reference)")
+        self._validate_lora()
         if self.ref_logps is not None:
             if not Path(self.ref_logps).is_file():
                 raise InputError(f"--ref-logps {self.ref_logps}: no such file")
@@ -235,6 +246,26 @@ class TrainConfig:
                         else "--ref-offload needs a reference model")
                 raise InputError(f"--ref-logps {self.ref_logps}: {what}; drop one of them")
 
+
+    def _validate_lora(self) -> None:
+        if self.lora_r < 0:
+            raise InputError(f"--lora-r must be >= 0 (0: full fine-tuning), got {self.lora_r}")
+        if not self.lora_r:
+            given = [f"--{flag(key)}" for key, default in (("lora_alpha", None), ("lora_dropout", 0.0),
+                                                          ("lora_target_modules", "all-linear"))
+                     if getattr(self, key) != default]
+            if given:
+                raise InputError(f"{', '.join(given)} without --lora-r: LoRA is off (give --lora-r R > 0)")
+            return
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise InputError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise InputError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if not [name for name in self.lora_target_modules.split(",") if name.strip()]:
+            raise InputError("--lora-target-modules: no module name given")
+        if self.ref_offload and self.ref_model is None and self.ref_logps is None:
+            raise InputError("--ref-offload with --lora-r: the reference is the policy with its adapters off, there "
+                             "is no reference model to offload (give --ref-model to use a separate one)")
 
 def check_model_folder(path: str, where: str = "--model") -> Path:
     """A local Hugging Face model folder (one holding config.json), or InputError naming it."""

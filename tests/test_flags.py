@@ -60,7 +60,8 @@ COMMANDS = {
 }
 # Flags that need another one to be valid at all (they are given in both command lines).
 CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"],
-           "--allow-new-layout": ["--resume", "MODEL"]}
+           "--allow-new-layout": ["--resume", "MODEL"],
+           **{f"--lora-{name}": ["--lora-r", "1"] for name in ("alpha", "dropout", "target-modules")}}
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
 from ..model.logps import SequenceLogps, forward_logps
+from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
 from ..model.losses import LossConfig
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
 from .engines import (build_policy, build_reference, fill_ds_config, load_ds_config, load_model, model_config,
@@ -92,6 +93,11 @@ def check_output_dir(cfg: TrainConfig) -> None:
                          "--resume auto to continue the run saved there)")
 
 
+def model_source(cfg: TrainConfig) -> str:
+    """The flag that names the policy model, for error messages."""
+    return f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
+
+
 def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int) -> None:
     """What a sequence-parallel layout needs of the settings and the model, before any weights exist."""
     if layout.sp_size == 1:
@@ -100,8 +106,14 @@ def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, v
     if not cfg.packing:
         raise InputError(f"--sequence-parallel-size {layout.sp_size} splits packed rows; it cannot be combined with "
                          f"--no-packing")
-    where = f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
-    check_model_heads(model_config(cfg, vocab_size), layout.sp_size, where)
+    check_model_heads(model_config(cfg, vocab_size), layout.sp_size, model_source(cfg))
+
+
+def check_lora_settings(cfg: TrainConfig, vocab_size: int) -> None:
+    """--lora-*: the adapters fit the model (placed on its skeleton, with no weights)."""
+    lora = LoraSettings.of(cfg)
+    if lora is not None:
+        check_adapters(lora, model_config(cfg, vocab_size), model_source(cfg), cfg.trust_remote_code)
 
 
 def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None) -> RunSetup:
@@ -124,6 +136,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
         shard_size_bytes(cfg.max_shard_size)  # --export-on-end's, refused before any work
     tokenizer, rows = tokenizer_and_rows(cfg)
     check_layout_settings(cfg, layout, attn, len(tokenizer))
+    check_lora_settings(cfg, len(tokenizer))
     ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
                                device_type)
     prepared = prepare_run_data(cfg, tokenizer, rows)
@@ -140,13 +153,17 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     return setup
 
 
+class AdaptersOff:
+    """The reference of a LoRA run without --ref-model: the policy itself with its adapters switched off."""
+
+
 @dataclass
 class Run:
     """An assembled run: the engines (or the reference alone) and how to turn a planned row into log-probs."""
 
     setup: RunSetup
     policy: object | None  # the DeepSpeed policy engine (None for precompute-ref)
-    reference: object | None  # a reference engine or module, a PrecomputedReference, or None (SimPO)
+    reference: object | None  # a reference engine or module, a PrecomputedReference, AdaptersOff, or None (SimPO)
     sequence_parallel: SequenceParallel | None
 
     @property
@@ -168,11 +185,15 @@ class Run:
         return self._forward(model, batch, self.setup.model_attn, cfg.logps_chunk_tokens, cfg.logps_impl)
 
     def reference_logps(self, batch: ModelBatch) -> SequenceLogps | None:
-        """The reference log-probs of ``batch``: looked up, run without gradients, or None (SimPO)."""
+        """The reference log-probs of ``batch``: looked up, run without gradients (a reference model, or the LoRA
+        policy with its adapters off: the same packed row and backend), or None (SimPO)."""
         if self.reference is None:
             return None
         if self.reference_is_precomputed:
             return self.reference.sequence_logps(batch)
+        if isinstance(self.reference, AdaptersOff):
+            with torch.no_grad(), as_reference(self.policy):
+                return self.forward_logps(self.policy, batch)
         with torch.no_grad():
             return self.forward_logps(self.reference, batch)
 
@@ -207,16 +228,28 @@ def start(setup: RunSetup) -> Run:
     policy = None
     if setup.command in TRAINING_COMMANDS:
         policy = build_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
+        if layout.rank == 0:
+            print(trainable_line(policy.module, LoraSettings.of(cfg)), flush=True)
     if setup.precomputed is not None:
         reference = setup.precomputed
     elif setup.command in TRAINING_COMMANDS and cfg.loss == "simpo":
         reference = None  # reference-free
+    elif setup.command in TRAINING_COMMANDS and cfg.lora_r and cfg.ref_model is None:
+        reference = AdaptersOff()  # no second model: the base weights are the policy's own, frozen
     else:
         reference = build_reference(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
     run = Run(setup, policy, reference, sequence_parallel)
     if cfg.packing and not cfg.skip_packing_check:
         run.check_packing()
     return run
+
+
+def trainable_line(model, lora: LoraSettings | None) -> str:
+    """The start-up line that says what the optimizer trains."""
+    trainable, total = parameter_counts(model)
+    what = "every weight" if lora is None else (f"LoRA r={lora.r} alpha={lora.alpha:g} on {lora.target_modules}, "
+                                                "base weights frozen")
+    return f"trainable parameters: {trainable:,} of {total:,} ({100.0 * trainable / max(total, 1):.2f}%; {what})"
 
 
 def assemble(cfg: TrainConfig, command: str = "train") -> Run:

@@ -6,7 +6,8 @@ Layout of ``--save-dir`` (default ``OUTPUT_DIR/checkpoints``)::
         *_model_states.pt, *_optim_states.pt   DeepSpeed's files; under ZeRO-3 every rank writes its shard
         ds_packdpo_state.json       plan position, fingerprint, bad-step counter, parallel layout (rank 0)
         rng_rank{r}.pt              RNG states of rank r: plain tensors/ints, loads with weights_only=True
-        hf/                         model config + tokenizer (save_pretrained): export needs nothing else
+        hf/                         model config + tokenizer (save_pretrained), and a LoRA run's adapter_config.json
+                                    (its base model's folder in base_model_name_or_path): export needs nothing else
         universal/                  made by the first resume at another layout (--allow-new-layout)
     latest                          tag of the newest *complete* checkpoint
 
@@ -47,6 +48,7 @@ from deepspeed.accelerator import get_accelerator
 from ..config import TrainConfig
 from ..errors import InputError
 from ..files import atomic_write, fsync_dir, fsync_tree
+from ..model.lora import LoraSettings, save_adapter_config
 from .layout import ParallelLayout, describe_sizes
 from .universal import UNIVERSAL_FOLDER, check_convertible, seed_new_rank
 
@@ -178,6 +180,10 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout
         raise InputError(f"{where}: written by {describe_sizes(state['layout'])}, this run is "
                          f"{layout.describe()}; DeepSpeed ZeRO shards load only into the same layout (pass "
                          "--allow-new-layout to load it at this one through DeepSpeed's universal format)")
+    lora = LoraSettings.record(cfg)
+    if state.get("lora") != lora:
+        raise InputError(f"{where}: written with {describe_training(state.get('lora'))}, this run trains "
+                         f"{describe_training(lora)}; resume with the run's own --lora-* settings")
     if state["zero_stage"] != layout.zero_stage or state["dtype"] != cfg.dtype:
         raise InputError(f"{where}: written with ZeRO stage {state['zero_stage']} and --dtype {state['dtype']}, this "
                          f"run uses stage {layout.zero_stage} and --dtype {cfg.dtype}")
@@ -186,6 +192,14 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout
     position = state["position"]
     return ResumePoint(tag_dir, position["epoch"], position["epoch_step"], position["global_step"],
                        state["bad_steps"], state["layout"]["world_size"], universal=new_layout)
+
+
+def describe_training(lora: dict | None) -> str:
+    """What a run trains, from a checkpoint's ``lora`` record (None: every weight)."""
+    if lora is None:
+        return "every weight (no LoRA)"
+    return (f"LoRA r={lora['r']} alpha={lora['alpha']:g} dropout={lora['dropout']:g} on "
+            f"{lora['target_modules']}")
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -288,10 +302,13 @@ class Checkpointer:
             "zero_stage": self.layout.zero_stage,
             "dtype": self.cfg.dtype,
             "output_dir": str(Path(self.cfg.output_dir).resolve()),
+            "lora": LoraSettings.record(self.cfg),  # its adapter config is in hf/ too
         }
         torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
         if rank == 0:
             engine.module.config.save_pretrained(tag_dir / HF_FOLDER)
+            if self.cfg.lora_r:
+                save_adapter_config(engine, tag_dir / HF_FOLDER)  # export rebuilds the adapters from it
             self.run.setup.tokenizer.save_pretrained(tag_dir / HF_FOLDER)
             (tag_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         engine.save_checkpoint(str(self.save_dir), tag=tag, client_state={CLIENT_STATE_KEY: state},

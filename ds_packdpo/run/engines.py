@@ -26,6 +26,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from ..config import REPO_DS_CONFIGS, TrainConfig
 from ..errors import InputError, first_line
 from ..model.build import TORCH_DTYPES, build_model, load_model_config
+from ..model.lora import LoraSettings, add_adapters
 
 # Keys ds_packdpo owns: each must be "auto" (or the one value the run implies).
 _PINNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -193,12 +194,18 @@ def load_model(cfg: TrainConfig, model_path: str | None, vocab_size: int, attn: 
 
 
 def build_policy(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
-    """The trainable policy engine.
+    """The trainable policy engine: every weight, or (--lora-r) LoRA adapters on the frozen base.
 
     ``mpu`` (sequence parallelism) tells DeepSpeed the sequence-parallel groups: ZeRO then
     shards over all ranks and averages gradients over the data-parallel replicas only.
+    Adapters are added after the base is built (and, under ZeRO-3, partitioned); the
+    engine partitions them as it starts (model/lora.py).  Only parameters that require
+    gradients go to the optimizer.
     """
     model = load_model(cfg, cfg.model, vocab_size, attn, ds_config)
+    lora = LoraSettings.of(cfg)
+    if lora is not None:
+        model = add_adapters(model, lora, seed=cfg.seed, base=str(Path(cfg.model).resolve()) if cfg.model else None)
     params = [p for p in model.parameters() if p.requires_grad]
     policy, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
     return policy

@@ -28,6 +28,7 @@ from ..config import DTYPES
 from ..errors import InputError, first_line
 from ..model.build import TORCH_DTYPES
 from ..model.hf_folder import DEFAULT_MAX_SHARD_SIZE, WeightsSource, shard_size_bytes, write_hf_folder
+from ..model.lora import ADAPTER_CONFIG_FILE, merged_weights, write_adapter_folder
 from .checkpoint import HF_FOLDER, resolve_checkpoint
 
 
@@ -83,8 +84,13 @@ def zero_checkpoint_weights(tag_dir: Path, zero_stage: int) -> WeightsSource:
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False,
-                      trust_remote_code: bool = False, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> dict:
-    """Writes the model of ``checkpoint`` (a tag folder or a save folder with ``latest``) to ``out``."""
+                      trust_remote_code: bool = False, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+                      adapter_only: bool = False) -> dict:
+    """Writes the model of ``checkpoint`` (a tag folder or a save folder with ``latest``) to ``out``.
+
+    A LoRA checkpoint is written with its adapters merged into the base weights (a plain
+    Hugging Face folder), or with ``adapter_only`` as a peft adapter folder.
+    """
     out = Path(out)
     check_export_target(out, overwrite)
     shard_size_bytes(max_shard_size)
@@ -95,9 +101,20 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     if state["zero_stage"] == 0:
         raise InputError(f"--checkpoint {tag_dir}: written without ZeRO; export reads ZeRO 1-3 checkpoints")
     hf_dir = tag_dir / HF_FOLDER
+    lora = (hf_dir / ADAPTER_CONFIG_FILE).is_file()
+    if adapter_only and not lora:
+        raise InputError(f"--adapter-only: {tag_dir} was trained without LoRA (no {HF_FOLDER}/{ADAPTER_CONFIG_FILE}); "
+                         f"export it without --adapter-only")
     config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=trust_remote_code, local_files_only=True)
-    written = write_hf_folder(out, zero_checkpoint_weights(tag_dir, state["zero_stage"]), config, tokenizer,
-                              TORCH_DTYPES[dtype], max_shard_size, trust_remote_code, where=f"--checkpoint {tag_dir}")
+    weights = zero_checkpoint_weights(tag_dir, state["zero_stage"])
+    if adapter_only:
+        written = write_adapter_folder(out, weights, hf_dir, config, tokenizer, TORCH_DTYPES[dtype], trust_remote_code)
+    else:
+        if lora:
+            weights = merged_weights(weights, hf_dir, config, trust_remote_code)
+        written = write_hf_folder(out, weights, config, tokenizer, TORCH_DTYPES[dtype], max_shard_size,
+                                  trust_remote_code, where=f"--checkpoint {tag_dir}")
     return {"checkpoint": str(tag_dir), "out": str(out), "dtype": dtype, **written,
-            "global_step": state["position"]["global_step"]}
+            "global_step": state["position"]["global_step"],
+            "written": "adapter" if adapter_only else "merged" if lora else "model"}
