@@ -181,7 +181,7 @@ BAD_CONFIGS = {
         "'optimizer.type': 'AdamQ' is neither a DeepSpeed nor a torch.optim optimizer"),
     "DeepSpeed unknown scheduler": (
         lambda d: ["--ds-config", _ds_config(d, json.dumps({"scheduler": {"type": "WarmupLRR", "params": {}}}))],
-        "'scheduler.type': 'WarmupLRR' is neither a DeepSpeed nor a torch.optim scheduler"),
+        "'scheduler.type': 'WarmupLRR' contradicts --lr-scheduler linear (WarmupDecayLR, filled from --lr"),
     "model folder without config.json": (
         lambda d: ["--model", str(_folder(d / "not_a_model"))],
         "not_a_model: not a local HF model folder (no config.json in the folder)"),

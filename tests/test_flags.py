@@ -59,7 +59,8 @@ COMMANDS = {
     "report": (cli.report_parser, _plain(cli.report_parser), ["folder", "--out", "o"]),
 }
 # Flags that need another one to be valid at all (they are given in both command lines).
-CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"]}
+CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"],
+           "--eval-steps": ["--eval-fraction", "0.5"], "--eval-max-pairs": ["--eval-fraction", "0.5"]}
 
 
 @pytest.fixture

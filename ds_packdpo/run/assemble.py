@@ -22,8 +22,9 @@ from deepspeed.accelerator import get_accelerator
 from ..config import TrainConfig
 from ..data.plan import PlanConfig
 from ..data.prepare import PreparedPairs
-from ..data.run_plan import checked_plan_config
-from ..data.source import prepare_run_data, tokenizer_and_rows
+from ..data.heldout import first_pairs
+from ..data.run_plan import checked_plan_config, total_steps
+from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
 from ..model.attention import ULYSSES_ATTN, resolve_attn
@@ -32,17 +33,21 @@ from ..model.guard import assert_packing_exact
 from ..model.logps import SequenceLogps, forward_logps
 from ..model.losses import LossConfig
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
-from .engines import (build_policy, build_reference, fill_ds_config, load_ds_config, load_model, model_config,
-                      model_hidden_size, zero_stage)
+from .engines import (build_evaluated_policy, build_policy, build_reference, fill_ds_config, load_ds_config, load_model,
+                      model_config, model_hidden_size, zero_stage)
+from .evaluation import HeldOut, held_out_set
 from .layout import ParallelLayout
 from .process_group import init_process_group
 from .reference import PrecomputedReference, load_precomputed_reference
+from .schedule import Schedule, run_schedule
 from .sequence_parallel import SequenceParallel, check_attention, check_model_heads, init_sequence_parallel
 
 # What each command builds in phase two: a trained policy (with its reference), or only a frozen reference,
 # or (check) one model in this process with no process group.
 TRAINING_COMMANDS = ("train", "bench")
-COMMANDS = (*TRAINING_COMMANDS, "precompute-ref", "check")
+COMMANDS = (*TRAINING_COMMANDS, "eval", "precompute-ref", "check")
+# The commands that hold pairs out of --dataset (--eval-fraction) or read --eval-dataset.
+EVALUATING_COMMANDS = (*TRAINING_COMMANDS, "eval")
 
 
 @dataclass
@@ -56,11 +61,13 @@ class RunSetup:
     attn: str  # the resolved backend (the local attention under sequence parallelism)
     ds_config: dict
     tokenizer: object
-    prepared: PreparedPairs
+    prepared: PreparedPairs  # the pairs the run trains on (or computes the reference of)
     plan_cfg: PlanConfig
     loss_cfg: LossConfig
+    schedule: Schedule  # the LR schedule over the run's total steps
     resume: ResumePoint | None = None  # None: a fresh start
     precomputed: PrecomputedReference | None = None  # the --ref-logps file
+    held_out: HeldOut | None = None  # the evaluation's pairs, plan and precomputed reference
 
     @property
     def model_attn(self) -> str:
@@ -118,18 +125,39 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
                                         world_size=1 if command == "check" else world_size)
     if command == "train":
         check_output_dir(cfg)
+    if command == "eval":
+        check_evaluation_models(cfg)
     tokenizer, rows = tokenizer_and_rows(cfg)
     check_layout_settings(cfg, layout, attn, len(tokenizer))
-    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
-                               device_type)
     prepared = prepare_run_data(cfg, tokenizer, rows)
+    held_out = None
+    if command in EVALUATING_COMMANDS:
+        prepared, held_out = split_held_out(cfg, tokenizer, prepared)
+    if command == "eval" and held_out is None:  # no held-out part named: evaluate on --dataset itself
+        held_out = first_pairs(prepared, cfg.eval_max_pairs)
     plan_cfg = checked_plan_config(cfg, layout, prepared)
-    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg)
+    schedule = run_schedule(cfg, total_steps(cfg, plan_cfg, prepared))
+    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
+                               device_type, schedule)
+    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg,
+                     schedule)
     if command == "train":
         setup.resume = check_resume(cfg, prepared.fingerprint, layout)
-    if command in TRAINING_COMMANDS:
+    if command in EVALUATING_COMMANDS:
         setup.precomputed = load_precomputed_reference(setup)
+    if held_out is not None:
+        setup.held_out = held_out_set(setup, held_out)
     return setup
+
+
+def check_evaluation_models(cfg: TrainConfig) -> None:
+    """``eval`` compares a trained policy (--model) with the model it was trained from: without that reference every
+    reward would be 0 (SimPO needs none)."""
+    if cfg.model is None:
+        raise InputError("eval: --model is required (the trained or exported Hugging Face folder to evaluate)")
+    if cfg.ref_model is None and cfg.ref_logps is None and cfg.loss != "simpo":
+        raise InputError("eval: --ref-model (the model the policy was trained from) or --ref-logps is required: with "
+                         "--model as its own reference every reward is 0")
 
 
 @dataclass
@@ -199,9 +227,11 @@ def start(setup: RunSetup) -> Run:
     policy = None
     if setup.command in TRAINING_COMMANDS:
         policy = build_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
+    elif setup.command == "eval":
+        policy = build_evaluated_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
     if setup.precomputed is not None:
         reference = setup.precomputed
-    elif setup.command in TRAINING_COMMANDS and cfg.loss == "simpo":
+    elif setup.command in EVALUATING_COMMANDS and cfg.loss == "simpo":
         reference = None  # reference-free
     else:
         reference = build_reference(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
@@ -209,11 +239,6 @@ def start(setup: RunSetup) -> Run:
     if cfg.packing and not cfg.skip_packing_check:
         run.check_packing()
     return run
-
-
-def assemble(cfg: TrainConfig, command: str = "train") -> Run:
-    """Both phases, under a launcher (one rank of the job)."""
-    return start(prepare(cfg, command))
 
 
 def model_alone(setup: RunSetup):
