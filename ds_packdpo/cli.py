@@ -1,4 +1,4 @@
-"""``ds-packdpo``: train, eval, prepare, pack-stats, check, precompute-ref, export, bench and report.
+"""``ds-packdpo``: train, prepare, pack-stats, check, precompute-ref, eval, export, bench and report.
 
 ``ds-packdpo train`` outside a launcher starts the deepspeed launcher itself
 (2 CPU ranks, or one per GPU), so the embedded default runs with one command;
@@ -294,8 +294,8 @@ def cmd_report(argv: list[str]) -> int:
     return run_guarded(job)
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats,
-            "check": cmd_check, "precompute-ref": cmd_precompute_ref, "export": cmd_export, "bench": cmd_bench,
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check,
+            "precompute-ref": cmd_precompute_ref, "eval": cmd_eval, "export": cmd_export, "bench": cmd_bench,
             "report": cmd_report}
 
 

@@ -22,7 +22,6 @@ from deepspeed.accelerator import get_accelerator
 from ..config import TrainConfig
 from ..data.plan import PlanConfig
 from ..data.prepare import PreparedPairs
-from ..data.heldout import first_pairs
 from ..data.run_plan import checked_plan_config, total_steps
 from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
@@ -133,8 +132,8 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     held_out = None
     if command in EVALUATING_COMMANDS:
         prepared, held_out = split_held_out(cfg, tokenizer, prepared)
-    if command == "eval" and held_out is None:  # no held-out part named: evaluate on --dataset itself
-        held_out = first_pairs(prepared, cfg.eval_max_pairs)
+    if command == "eval" and held_out is None:  # no held-out part named: evaluate on --dataset (--max-pairs) itself
+        held_out = prepared
     plan_cfg = checked_plan_config(cfg, layout, prepared)
     schedule = run_schedule(cfg, total_steps(cfg, plan_cfg, prepared))
     ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
