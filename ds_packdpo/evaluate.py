@@ -10,14 +10,12 @@ Rank 0 prints the ``eval_*`` figures as one JSON object.
 
 from __future__ import annotations
 
-import json
 import sys
 
 from .config import parse_train_args
-from .errors import run_guarded
 from .run.assemble import prepare, start
 from .run.evaluation import evaluate
-from .run.process_group import close_process_group
+from .run.process_group import run_rank_job
 
 
 def evaluate_model(cfg) -> dict | None:
@@ -29,14 +27,7 @@ def evaluate_model(cfg) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def job() -> int:
-        figures = evaluate_model(parse_train_args(argv, prog="ds_packdpo.evaluate"))
-        close_process_group()
-        if figures is not None:
-            print(json.dumps(figures, indent=2))
-        return 0
-
-    return run_guarded(job)
+    return run_rank_job(lambda: evaluate_model(parse_train_args(argv, prog="ds_packdpo.evaluate")))
 
 
 if __name__ == "__main__":

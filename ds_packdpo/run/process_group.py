@@ -7,13 +7,16 @@ that error into one line naming what to do (exit code 5).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import deepspeed
 import torch.distributed as dist
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from ..errors import run_guarded
 from .build_lock import remove_stale_locks
 from .layout import ParallelLayout
 
@@ -56,3 +59,18 @@ def close_process_group() -> None:
     """
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_rank_job(work: Callable[[], dict | None]) -> int:
+    """One rank of a command that reports JSON (precompute-ref, eval): ``work()``, the process group closed, then
+    the result printed (rank 0's; the other ranks return None); bad input and failures as :func:`run_guarded` ends
+    them."""
+
+    def job() -> int:
+        result = work()
+        close_process_group()
+        if result is not None:
+            print(json.dumps(result, indent=2))
+        return 0
+
+    return run_guarded(job)
