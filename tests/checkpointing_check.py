@@ -64,7 +64,7 @@ def main(out_path: str, flags: list[str]) -> None:
     calls = [0]
     # a pre-hook: the recomputation stops (early) inside the MLP, once the last saved tensor it needs exists
     policy.module.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    report = {"checkpointing_enabled": policy.module.is_gradient_checkpointing, "rows": len(rows)}
+    report = {"checkpointing_enabled": policy.module.is_activation_checkpointing, "rows": len(rows)}
     grads = {}
     for mode in ("on", "off"):
         calls[0] = 0

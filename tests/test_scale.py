@@ -21,6 +21,7 @@ from deepspeed.runtime import lr_schedules
 from launching import deepspeed_script, run
 from transformers import AutoModelForCausalLM
 
+from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.data.plan import iter_plan
 from ds_packdpo.data.synthetic import synthetic_preference_rows
@@ -139,7 +140,7 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
 
 
 # ----------------------------------------------------------------------------- held-out split
-def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer):
+def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer, capsys, monkeypatch):
     """The split is by content: no training step holds a held-out pair (nor an exact copy of one), the same pairs
     are held out whatever the seed and the row order, and the plan's fingerprint records the fraction."""
     rows = synthetic_preference_rows(200, seed=3)
@@ -149,6 +150,9 @@ def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer)
     shuffled = tmp_path / "shuffled.json"
     shuffled.write_text(json.dumps([rows[i] for i in np.random.default_rng(0).permutation(len(rows))]))
     demo_tokenizer.save_pretrained(tmp_path / "tok")
+    monkeypatch.setattr(cli, "_launch", lambda *a, **k: pytest.fail("bench launched with evaluation flags"))
+    for key in cli.LAUNCHED_ENV:
+        monkeypatch.delenv(key, raising=False)
     base = ["--max-length", "96", "--global-batch-pairs", "16", "--cache-dir", str(tmp_path / "cache"),
             "--output-dir", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok"), "--eval-fraction", "0.2"]
 
@@ -179,6 +183,13 @@ def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer)
     assert len(capped) == 5 and capped <= held_out
     assert plan_fingerprint(setup.cfg, setup.prepared.fingerprint) != plan_fingerprint(without.cfg,
                                                                                        without.prepared.fingerprint)
+    # pack-stats plans what trains; bench refuses what it would not measure
+    assert cli.main(["pack-stats", *base[:-2], "--dataset", str(data), "--world-size", "2", "--eval-fraction",
+                     "0.2"]) == 0
+    assert json.loads(capsys.readouterr().out)["pairs"] == len(setup.prepared.chosen_lengths)
+    assert cli.main(["bench", *base, "--dataset", str(data), "--num-procs", "2"]) == 2
+    assert capsys.readouterr().err.strip().endswith("error: --eval-dataset/--eval-fraction: bench measures training "
+                                                    "steps only (evaluate a model with 'ds-packdpo eval')")
 
 
 # ----------------------------------------------------------------------------- activation checkpointing
@@ -202,7 +213,7 @@ def test_gradient_checkpointing_keeps_gradients_one_rank():
     batch = collate_packed(synthetic_pairs(4, 300, seed=1, max_tokens=30), list(range(4)), 0)
     plain, plain_calls = _packed_gradients(model, batch)
     enable_gradient_checkpointing(model)
-    assert model.is_gradient_checkpointing and model.training
+    assert model.is_activation_checkpointing and model.training
     recomputed, calls = _packed_gradients(model, batch)
     assert (plain_calls, calls) == (1, 2)
     scale = max(float(g.abs().max()) for g in plain)
