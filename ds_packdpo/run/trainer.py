@@ -30,8 +30,8 @@ from .evaluation import evaluate
 from .export import export_checkpoint
 from .layout import describe_sizes
 from .metrics import MetricsWriter, add_sums, sum_over_ranks
-from .schedule import Schedule
 from .process_group import close_process_group, is_collective_failure
+from .schedule import Schedule
 from .timing import StepTimer, throughput_meter
 
 STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens")
@@ -69,7 +69,7 @@ class DPOTrainer:
         rows = plan.ranks[self.layout.dp_rank]
         sums: dict[str, torch.Tensor] = {}
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        lr = self.policy.get_lr()[0] if self.policy.get_lr() else self.cfg.lr  # this step's (the scheduler steps after)
+        lr = self.policy.get_lr()[0] if self.policy.get_lr() else self.cfg.lr
         counted = float(self.layout.counts_metrics)
         for i, row in enumerate(rows):
             batch = self.run.row_batch(row)
