@@ -237,7 +237,11 @@ def enable_gradient_checkpointing(model) -> None:
     here that transformers' does not.  A layer checkpoints only in training mode, hence
     ``train()``.
     """
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers before the rename (pyproject allows >= 4.56); the same checkpointing
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
 
 
