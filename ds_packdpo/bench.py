@@ -276,6 +276,9 @@ class BenchPlan:
 def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: int | None = None) -> BenchPlan:
     """Phase one of the bench: every configuration checked with the model it will measure, before any process group
     (a configuration the layout cannot run is refused here, not after the others were measured)."""
+    if cfg.eval_dataset is not None or cfg.eval_fraction is not None:
+        raise InputError("--eval-dataset/--eval-fraction: bench measures training steps only (evaluate a model with "
+                         "'ds-packdpo eval')")
     first = prepare(cfg, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
     cfg = bench_model_config(cfg, settings, first.vocab_size, bench_model_folder(cfg))

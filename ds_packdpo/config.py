@@ -25,6 +25,7 @@ from .errors import InputError
 
 REPO_DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 DTYPES = ("fp32", "bf16")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
 def _opt(help_text: str, default=None, choices=None, **meta):
@@ -92,7 +93,7 @@ class TrainConfig:
     # --- optimisation and loss ---
     lr: float = _opt("Peak learning rate.", 1e-6)
     weight_decay: float = _opt("AdamW weight decay.", 0.0)
-    warmup_steps: int = _opt("Linear warm-up steps of the LR schedule.", 0)
+    warmup_steps: int = _opt("Linear warm-up steps of the LR schedule (the LR reaches --lr at step N).", 0)
     max_grad_norm: float = _opt("Gradient clipping (0 disables).", 1.0)
     loss: str = _opt("DPO-family loss.", "sigmoid", ("sigmoid", "robust", "hinge", "ipo", "simpo"))
     beta: float = _opt("DPO beta.", 0.1)
@@ -135,6 +136,25 @@ class TrainConfig:
     max_shard_size: str = _opt("Largest safetensors file of --export-on-end (e.g. 5GB, 500MB); a larger model is split "
                                "into several, with an index.", "5GB")
     max_bad_steps: int = _opt("A step with a NaN/inf loss or gradient is skipped; abort after this many in a row.", 3)
+    # --- training at scale: activation checkpointing, LR schedule, held-out evaluation ---
+    gradient_checkpointing: bool = _opt(
+        "Recompute every decoder layer's activations in backward instead of keeping them (transformers' "
+        "non-reentrant activation checkpointing): activation memory of one layer instead of all, for about one more "
+        "forward per step. Puts the policy in training mode.", False)
+    lr_scheduler: str = _opt(
+        "LR after the warm-up: constant, linear decay or cosine decay to --min-lr-ratio x --lr at the end of the run "
+        "(DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR; the total steps come from the plan).", "linear",
+        LR_SCHEDULERS)
+    warmup_ratio: float | None = _opt("Warm-up steps as a fraction of the run's steps (rounded up), instead of "
+                                      "--warmup-steps.")
+    min_lr_ratio: float = _opt("The LR the linear and cosine schedules start the warm-up from and decay to, as a "
+                               "fraction of --lr.", 0.0)
+    eval_dataset: str | None = _opt("Held-out preference data for evaluation (any format --dataset accepts).")
+    eval_fraction: float | None = _opt(
+        "Hold out this fraction of --dataset for evaluation, chosen by pair content (a hash of its tokens): the same "
+        "pairs whatever the seed, layout or order, never trained on.")
+    eval_steps: int | None = _opt("Evaluate every N optimizer steps (always after the last one too).")
+    eval_max_pairs: int | None = _opt("Evaluate on the first N held-out pairs only.")
 
     # ------------------------------------------------------------------
     @property
@@ -200,7 +220,8 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {getattr(self, key)}")
-        for key in ["max_tokens_per_row", "global_batch_pairs", "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs"]:
+        for key in ["max_tokens_per_row", "global_batch_pairs", "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs",
+                    "eval_steps", "eval_max_pairs"]:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {value}")
@@ -227,6 +248,7 @@ class TrainConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {value}")
+        self._validate_scale_settings()
         if self.max_bad_steps < 1:
             raise InputError(f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
         if self.save_total_limit is not None and not self.save_steps:
@@ -245,6 +267,32 @@ class TrainConfig:
                 what = ("--loss simpo is reference-free" if self.loss == "simpo"
                         else "--ref-offload needs a reference model")
                 raise InputError(f"--ref-logps {self.ref_logps}: {what}; drop one of them")
+
+    def _validate_scale_settings(self) -> None:
+        """The LR schedule and the held-out evaluation settings."""
+        if self.warmup_ratio is not None:
+            if not 0.0 <= self.warmup_ratio < 1.0:
+                raise InputError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+            if self.warmup_steps:
+                raise InputError("--warmup-steps and --warmup-ratio are exclusive; give one")
+        if not 0.0 <= self.min_lr_ratio < 1.0:
+            raise InputError(f"--min-lr-ratio must be in [0, 1), got {self.min_lr_ratio}")
+        if self.lr_scheduler == "constant" and self.min_lr_ratio:
+            raise InputError(f"--min-lr-ratio {self.min_lr_ratio} has no effect with --lr-scheduler constant (it is the "
+                             f"floor of linear and cosine); set it to 0 or pick one of them")
+        if self.eval_fraction is not None:
+            if not 0.0 < self.eval_fraction < 1.0:
+                raise InputError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+            if self.eval_dataset is not None:
+                raise InputError("--eval-dataset and --eval-fraction are exclusive: evaluate on another dataset or on "
+                                 "a held-out part of --dataset")
+        if self.eval_dataset is None and self.eval_fraction is None:
+            for key in ("eval_steps", "eval_max_pairs"):
+                if getattr(self, key) is not None:
+                    raise InputError(f"--{flag(key)} needs a held-out set: --eval-dataset or --eval-fraction")
+        if self.eval_dataset is not None and self.ref_logps is not None:
+            raise InputError(f"--eval-dataset with --ref-logps {self.ref_logps}: the file holds the reference log-probs "
+                             f"of --dataset only; evaluate on --eval-fraction of it, or drop --ref-logps")
 
 
     def _validate_lora(self) -> None:

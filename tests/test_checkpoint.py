@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import BIN, cpu_env, deepspeed_module, free_port, rank_module, read_metrics, run, two_node_launch
+from test_scale import closed_form
 
 from ds_packdpo import cli
 from ds_packdpo.run.checkpoint import LATEST, STATE_FILE
@@ -49,15 +50,22 @@ def assert_same_steps(got: list[dict], want: list[dict], steps: range) -> float:
 
 @pytest.mark.multirank
 def test_resume_continues_exactly_one_rank(tmp_path):
+    """A run of 3 steps resumed with --max-steps 6 equals a run of 6 steps: exact with a constant LR (a decaying
+    schedule spans the run's own total steps, which --max-steps changes; its resume: the two-rank test below).  The
+    run prints its plan summary before anything else on stdout."""
+    constant = ("--lr-scheduler", "constant")
     straight = tmp_path / "straight"
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "straight")))
+    proc = run(rank_module("ds_packdpo.train", *flags(tmp_path, "straight", *constant)))
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("plan: 48 pairs in 6 steps (48 training pairs), 2 rows per rank on 1 ranks") and \
+        first.endswith("no evaluation; schedule: constant lr 0.001 over 6 steps, no warm-up"), proc.stdout[:2000]
     split = tmp_path / "split"
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", "--save-steps", "3", "--max-steps", "3")))
+    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", *constant, "--save-steps", "3", "--max-steps", "3")))
     state = json.loads((split / "checkpoints" / "global_step3" / STATE_FILE).read_text())
     assert state["position"] == {"epoch": 0, "epoch_step": 3, "global_step": 3}
     assert (split / "checkpoints" / LATEST).read_text() == "global_step3"
     # resuming into the run's own (non-empty) folder needs no --overwrite; the metrics file is continued
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", "--save-steps", "3", "--resume", "auto",
+    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", *constant, "--save-steps", "3", "--resume", "auto",
                                                "--save-total-limit", "1")))
     resumed = read_metrics(split / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
@@ -101,29 +109,38 @@ def step_logps(model, tmp_path: Path, step: int, tokenizer) -> tuple[float, floa
     return float(out.chosen_logps.mean()), float(out.rejected_logps.mean())
 
 
+# A warm-up, then a cosine decay to a floor: the resumes below land in the middle of it.
+SCHEDULE = ("--lr-scheduler", "cosine", "--warmup-steps", "2", "--min-lr-ratio", "0.1")
+
+
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory) -> Path:
-    """The uninterrupted 2-rank run of 6 steps, checkpoints at 3 and 6, --export-on-end in shards of at most 300 KB
-    (the tiny model is 1 MB in fp32): one launch that several tests read."""
+    """The uninterrupted 2-rank run of 6 steps on a cosine schedule, checkpoints at 3 and 6, --export-on-end in
+    shards of at most 300 KB (the tiny model is 1 MB in fp32): one launch that several tests read."""
     tmp = tmp_path_factory.mktemp("two_ranks")
-    run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp, "straight", "--save-steps", "3", "--export-on-end",
-                                                       "--max-shard-size", "300KB")))
+    run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp, "straight", *SCHEDULE, "--save-steps", "3",
+                                                       "--export-on-end", "--max-shard-size", "300KB")))
     return tmp / "straight"
 
 
 @pytest.mark.multirank
 def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys, two_rank_run):
+    """A rank killed as step 5 begins (checkpoint at 3), the job resumed: steps 4-6 equal the uninterrupted run's,
+    their LR included (the logged LRs follow the schedule's closed form); then the export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # 1. the uninterrupted run, with a checkpoint at 3 and 6 and the export at the end
     straight = two_rank_run
     reference = read_metrics(straight / "metrics.jsonl")
+    assert [r["learning_rate"] for r in reference] == pytest.approx(
+        [closed_form("cosine", s, 1e-3, 2, 6, 0.1) for s in range(1, 7)], rel=1e-12)
 
     # 2. two "nodes" of one rank each; rank 1 SIGKILLs itself as step 5 begins
     killed = tmp_path / "killed"
     timeout = 60
     node0, node1 = two_node_launch(tmp_path, "ds_packdpo.train",
-                                   *flags(tmp_path, "killed", "--save-steps", "3", "--collective-timeout-s", str(timeout)),
+                                   *flags(tmp_path, "killed", *SCHEDULE, "--save-steps", "3", "--collective-timeout-s",
+                                          str(timeout)),
                                    env=cpu_env(DS_PACKDPO_FAULT_KILL="1:5"))
     assert node1.wait(timeout=600) == 256 - 9  # the launcher of the killed rank: Python's sys.exit(-SIGKILL)
     dead = time.monotonic()
@@ -138,7 +155,7 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys, two_rank_run)
 
     # 3. relaunch through the front command: continues from step 3 in the run's own folder
     run([str(BIN / "ds-packdpo"), "train", "--num-procs", "2", "--master-port", str(free_port()),
-         *flags(tmp_path, "killed", "--save-steps", "3", "--resume", "auto")])
+         *flags(tmp_path, "killed", *SCHEDULE, "--save-steps", "3", "--resume", "auto")])
     resumed = read_metrics(killed / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # the lost step 4 is redone, not duplicated
     largest = assert_same_steps(resumed, reference, range(4, 7))
@@ -184,7 +201,8 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys, two_rank_run)
 def test_sharded_export_and_resume_on_another_layout(tmp_path, capsys, two_rank_run):
     """The 2-rank ZeRO-3 checkpoint of step 3: exported in shards of at most 200 KB it loads with from_pretrained
     and equals today's single-file export (zero_to_fp32's whole state dict -> save_pretrained); resumed on 1 rank
-    with --allow-new-layout (DeepSpeed's universal format), steps 4-6 continue the 2-rank run."""
+    with --allow-new-layout (DeepSpeed's universal format), steps 4-6 continue the 2-rank run, the middle of its cosine
+    LR schedule included."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -215,8 +233,8 @@ def test_sharded_export_and_resume_on_another_layout(tmp_path, capsys, two_rank_
 
     # 1 rank from the 2-rank checkpoint: converted once into global_step3/universal, then the same trajectory
     one_rank = tmp_path / "one_rank"
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "one_rank", "--save-steps", "3", "--resume", str(checkpoint),
-                                               "--allow-new-layout")))
+    run(rank_module("ds_packdpo.train", *flags(tmp_path, "one_rank", *SCHEDULE, "--save-steps", "3", "--resume",
+                                               str(checkpoint), "--allow-new-layout")))
     assert (checkpoint / "universal" / "zero").is_dir() and not list(checkpoint.glob(".universal.*"))
     resumed, reference = read_metrics(one_rank / "metrics.jsonl"), read_metrics(two_rank_run / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [4, 5, 6]
@@ -224,7 +242,7 @@ def test_sharded_export_and_resume_on_another_layout(tmp_path, capsys, two_rank_
     for got in resumed:
         want_step = reference[got["step"] - 1]
         assert (got["pairs"], got["tokens"]) == (want_step["pairs"], want_step["tokens"])
-        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "learning_rate"):  # the schedule too
             assert got[key] == pytest.approx(want_step[key], rel=1e-4, abs=1e-6), (got["step"], key)
             largest = max(largest, abs(got[key] - want_step[key]) / abs(want_step[key]))
     # the optimizer state carried over too: the final weights are those of the 2-rank run

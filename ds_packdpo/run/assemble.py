@@ -23,8 +23,8 @@ from deepspeed.accelerator import get_accelerator
 from ..config import TrainConfig
 from ..data.plan import PlanConfig
 from ..data.prepare import PreparedPairs
-from ..data.run_plan import checked_plan_config
-from ..data.source import prepare_run_data, tokenizer_and_rows
+from ..data.run_plan import checked_plan_config, total_steps
+from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
 from ..model.attention import ULYSSES_ATTN, resolve_attn
@@ -35,18 +35,22 @@ from ..model.logps import SequenceLogps, forward_logps
 from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
 from ..model.losses import LossConfig
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
-from .engines import (build_policy, build_reference, fill_ds_config, load_ds_config, load_model, model_config,
-                      model_hidden_size, zero_stage)
+from .engines import (build_evaluated_policy, build_policy, build_reference, fill_ds_config, load_ds_config, load_model,
+                      model_config, model_hidden_size, zero_stage)
+from .evaluation import HeldOut, held_out_set
 from .layout import ParallelLayout
 from .process_group import init_process_group
 from .reference import PrecomputedReference, load_precomputed_reference
+from .schedule import Schedule, run_schedule
 from .sequence_parallel import SequenceParallel, check_attention, check_model_heads, init_sequence_parallel
 from .universal import ensure_universal, with_universal_loading
 
 # What each command builds in phase two: a trained policy (with its reference), or only a frozen reference,
 # or (check) one model in this process with no process group.
 TRAINING_COMMANDS = ("train", "bench")
-COMMANDS = (*TRAINING_COMMANDS, "precompute-ref", "check")
+COMMANDS = (*TRAINING_COMMANDS, "eval", "precompute-ref", "check")
+# The commands that hold pairs out of --dataset (--eval-fraction) or read --eval-dataset.
+EVALUATING_COMMANDS = (*TRAINING_COMMANDS, "eval")
 
 
 @dataclass
@@ -60,11 +64,13 @@ class RunSetup:
     attn: str  # the resolved backend (the local attention under sequence parallelism)
     ds_config: dict
     tokenizer: object
-    prepared: PreparedPairs
+    prepared: PreparedPairs  # the pairs the run trains on (or computes the reference of)
     plan_cfg: PlanConfig
     loss_cfg: LossConfig
+    schedule: Schedule  # the LR schedule over the run's total steps
     resume: ResumePoint | None = None  # None: a fresh start
     precomputed: PrecomputedReference | None = None  # the --ref-logps file
+    held_out: HeldOut | None = None  # the evaluation's pairs, plan and precomputed reference
 
     @property
     def model_attn(self) -> str:
@@ -134,23 +140,44 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     if command == "train":
         check_output_dir(cfg)
         shard_size_bytes(cfg.max_shard_size)  # --export-on-end's, refused before any work
+    if command == "eval":
+        check_evaluation_models(cfg)
     tokenizer, rows = tokenizer_and_rows(cfg)
     check_layout_settings(cfg, layout, attn, len(tokenizer))
     check_lora_settings(cfg, len(tokenizer))
-    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
-                               device_type)
     prepared = prepare_run_data(cfg, tokenizer, rows)
+    held_out = None
+    if command in EVALUATING_COMMANDS:
+        prepared, held_out = split_held_out(cfg, tokenizer, prepared)
+    if command == "eval" and held_out is None:  # no held-out part named: evaluate on --dataset (--max-pairs) itself
+        held_out = prepared
     plan_cfg = checked_plan_config(cfg, layout, prepared)
-    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg)
+    schedule = run_schedule(cfg, total_steps(cfg, plan_cfg, prepared))
+    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
+                               device_type, schedule)
+    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg,
+                     schedule)
     if command == "train":
         setup.resume = check_resume(cfg, prepared.fingerprint, layout)
         if setup.resume is not None and setup.resume.universal:
             if layout.rank == 0:  # once, before any process group: the other ranks wait for rank 0 to start it
                 ensure_universal(setup.resume.tag_dir)
-            setup.ds_config = with_universal_loading(ds_config)
-    if command in TRAINING_COMMANDS:
+            setup.ds_config = with_universal_loading(setup.ds_config)
+    if command in EVALUATING_COMMANDS:
         setup.precomputed = load_precomputed_reference(setup)
+    if held_out is not None:
+        setup.held_out = held_out_set(setup, held_out)
     return setup
+
+
+def check_evaluation_models(cfg: TrainConfig) -> None:
+    """``eval`` compares a trained policy (--model) with the model it was trained from: without that reference every
+    reward would be 0 (SimPO needs none)."""
+    if cfg.model is None:
+        raise InputError("eval: --model is required (the trained or exported Hugging Face folder to evaluate)")
+    if cfg.ref_model is None and cfg.ref_logps is None and cfg.loss != "simpo":
+        raise InputError("eval: --ref-model (the model the policy was trained from) or --ref-logps is required: with "
+                         "--model as its own reference every reward is 0")
 
 
 class AdaptersOff:
@@ -230,9 +257,11 @@ def start(setup: RunSetup) -> Run:
         policy = build_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
         if layout.rank == 0:
             print(trainable_line(policy.module, LoraSettings.of(cfg)), flush=True)
+    elif setup.command == "eval":
+        policy = build_evaluated_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
     if setup.precomputed is not None:
         reference = setup.precomputed
-    elif setup.command in TRAINING_COMMANDS and cfg.loss == "simpo":
+    elif setup.command in EVALUATING_COMMANDS and cfg.loss == "simpo":
         reference = None  # reference-free
     elif setup.command in TRAINING_COMMANDS and cfg.lora_r and cfg.ref_model is None:
         reference = AdaptersOff()  # no second model: the base weights are the policy's own, frozen
@@ -250,11 +279,6 @@ def trainable_line(model, lora: LoraSettings | None) -> str:
     what = "every weight" if lora is None else (f"LoRA r={lora.r} alpha={lora.alpha:g} on {lora.target_modules}, "
                                                 "base weights frozen")
     return f"trainable parameters: {trainable:,} of {total:,} ({100.0 * trainable / max(total, 1):.2f}%; {what})"
-
-
-def assemble(cfg: TrainConfig, command: str = "train") -> Run:
-    """Both phases, under a launcher (one rank of the job)."""
-    return start(prepare(cfg, command))
 
 
 def model_alone(setup: RunSetup):

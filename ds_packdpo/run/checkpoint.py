@@ -71,10 +71,13 @@ def resolved_save_dir(cfg: TrainConfig) -> Path:
 def plan_fingerprint(cfg: TrainConfig, data_fingerprint: str) -> str:
     """What decides which pairs make up step s: the data (content, tokenizer, truncation) and the plan settings.
 
-    World size, row budget and packing only change the layout of a step, never its pairs.
+    World size, row budget and packing only change the layout of a step, never its pairs; --eval-fraction decides
+    which pairs train at all.
     """
     key = {"data": data_fingerprint, "seed": cfg.seed, "global_batch_pairs": cfg.batch_pairs,
            "tokens_per_step": cfg.tokens_per_step, "drop_last": cfg.drop_last}
+    if cfg.eval_fraction is not None:  # absent otherwise: checkpoints of runs without a split keep their fingerprint
+        key["eval_fraction"] = cfg.eval_fraction
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -173,7 +176,8 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout
     where = f"--resume {tag_dir}"
     if state["plan_fingerprint"] != plan_fingerprint(cfg, data_fingerprint):
         raise InputError(f"{where}: the checkpoint was written for other data or plan settings (dataset, tokenizer, "
-                         "--max-length, --seed, --global-batch-pairs/--tokens-per-step, --drop-last differ); resume "
+                         "--max-length, --seed, --global-batch-pairs/--tokens-per-step, --drop-last, --eval-fraction "
+                         "differ); resume "
                          "with the run's own settings")
     new_layout = state["layout"] != layout.as_dict()
     if new_layout and not cfg.allow_new_layout:
