@@ -16,9 +16,11 @@ install: .venv/.installed
 
 demo: install
 	.venv/bin/ds-packdpo train --output-dir runs/demo --overwrite --synthetic-pairs 1024 \
-		--global-batch-pairs 16 --max-length 256 --max-steps 60 --lr 1e-3 --beta 0.1
-	$(PY) -c "import json; r=[json.loads(l) for l in open('runs/demo/metrics.jsonl')][-10:]; \
-print('last 10 steps: loss %.3f  rewards/accuracies %.3f' % (sum(x['loss'] for x in r)/len(r), sum(x['rewards/accuracies'] for x in r)/len(r)))"
+		--global-batch-pairs 16 --max-length 256 --max-steps 60 --lr 1e-3 --beta 0.1 \
+		--eval-fraction 0.1 --eval-steps 20
+	$(PY) -c "import json; a=[json.loads(l) for l in open('runs/demo/metrics.jsonl')]; r=a[-10:]; e=a[-1]; \
+print('last 10 steps: loss %.3f  rewards/accuracies %.3f | held out (%d pairs, after step %d): eval_loss %.3f  eval_rewards/accuracies %.3f' \
+% (sum(x['loss'] for x in r)/len(r), sum(x['rewards/accuracies'] for x in r)/len(r), e['eval_pairs'], e['step'], e['eval_loss'], e['eval_rewards/accuracies']))"
 
 test: install
 	.venv/bin/pytest -q

@@ -58,6 +58,8 @@ CONFIGURATIONS: dict[str, dict] = {
     "packed-plain-logps": {"packing": True, "logps_impl": "plain"},  # the whole [tokens x vocab] logits
     # No reference engine: its log-probs come from a file that precompute-ref writes first (not timed).
     "packed-precomputed-ref": {"packing": True, "ref_logps": "precomputed"},
+    # LoRA adapters on the frozen base; the reference is the policy with its adapters off (no reference engine).
+    "packed-lora": {"packing": True, "lora_r": 8},
 }
 PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
 DEFAULT_CONFIGURATIONS = "packed,packed-no-prefix-sharing,padded"
@@ -280,6 +282,9 @@ class BenchPlan:
 def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: int | None = None) -> BenchPlan:
     """Phase one of the bench: every configuration checked with the model it will measure, before any process group
     (a configuration the layout cannot run is refused here, not after the others were measured)."""
+    if cfg.eval_dataset is not None or cfg.eval_fraction is not None:
+        raise InputError("--eval-dataset/--eval-fraction: bench measures training steps only (evaluate a model with "
+                         "'ds-packdpo eval')")
     first = prepare(cfg, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
     cfg = bench_model_config(cfg, settings, first.vocab_size, bench_model_folder(cfg))

@@ -1,4 +1,4 @@
-"""``ds-packdpo``: train, prepare, pack-stats, check, precompute-ref, export, bench and report.
+"""``ds-packdpo``: train, prepare, pack-stats, check, precompute-ref, eval, export, bench and report.
 
 ``ds-packdpo train`` outside a launcher starts the deepspeed launcher itself
 (2 CPU ranks, or one per GPU), so the embedded default runs with one command;
@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,23 +22,16 @@ from .config import add_arguments, config_from_args, parse_train_args
 from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
 from .data.run_plan import checked_plan_config, run_plan
-from .data.source import prepare_run_data, tokenizer_and_rows
+from .data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from .errors import InputError, PeerFailureError, run_guarded
 from .files import check_output_file
 from .run.build_lock import remove_stale_locks
-from .run.layout import ParallelLayout
+from .run.layout import ParallelLayout, free_port
 
 # The commands that run a model import DeepSpeed and the model stack (seconds, and DeepSpeed probes the
 # accelerator) inside their own function: prepare, pack-stats and report stay free of them.
 
 LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it), so two runs on one machine never collide."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _launch(argv: list[str], procs: int, master_port: int | None, module: str) -> int:
@@ -124,7 +116,7 @@ def cmd_pack_stats(argv: list[str]) -> int:
             check_output_file(args.plan_out, "--plan-out", overwrite=True)  # the plan is derived data
         layout = ParallelLayout(world_size=args.world_size, sp_size=cfg.sequence_parallel_size)
         tokenizer, rows = tokenizer_and_rows(cfg)
-        prepared = prepare_run_data(cfg, tokenizer, rows)
+        prepared, _ = split_held_out(cfg, tokenizer, prepare_run_data(cfg, tokenizer, rows))  # what trains
         plan_cfg = checked_plan_config(cfg, layout, prepared)
         stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=cfg.epochs,
                            prompt_lengths=prepared.prompt_lengths)
@@ -204,18 +196,22 @@ def _cpu_unless_cuda() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the launched ranks get it
 
 
-def _check_train(argv: list[str], procs: int) -> None:
-    """Train's phase one (settings, DeepSpeed config, output folder, data, plan, resume point, reference file); its
-    tokenization fills the cache the ranks then read."""
-    from .run.assemble import prepare
+def _phase_one(command: str) -> Callable[[list[str], int], None]:
+    """The rank's phase one of ``command`` (settings, DeepSpeed config, output folder, data, plan, resume point,
+    reference file), run in the front process; its tokenization fills the cache the ranks then read."""
 
-    prepare(parse_train_args(argv), "train", world_size=procs)
+    def validate(argv: list[str], procs: int) -> None:
+        from .run.assemble import prepare
+
+        prepare(parse_train_args(argv, prog=f"ds-packdpo {command}"), command, world_size=procs)
+
+    return validate
 
 
 def cmd_train(argv: list[str]) -> int:
     from .train import main as rank_main
 
-    return _distributed_command(argv, "ds_packdpo.train", rank_main, _check_train)
+    return _distributed_command(argv, "ds_packdpo.train", rank_main, _phase_one("train"))
 
 
 def cmd_precompute_ref(argv: list[str]) -> int:
@@ -228,14 +224,26 @@ def cmd_precompute_ref(argv: list[str]) -> int:
     return _distributed_command(argv, "ds_packdpo.precompute_ref", rank_main, validate)
 
 
+def cmd_eval(argv: list[str]) -> int:
+    from .evaluate import main as rank_main
+
+    return _distributed_command(argv, "ds_packdpo.evaluate", rank_main, _phase_one("eval"))
+
+
 def export_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-packdpo export",
                                      description="A training checkpoint as a Hugging Face folder (safetensors).")
     parser.add_argument("--checkpoint", required=True, help="A checkpoint folder, or a --save-dir (its 'latest').")
     parser.add_argument("--out", required=True, help="The Hugging Face folder to write.")
     parser.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="Default: the training dtype.")
+    parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors file (e.g. 5GB, 500MB); a "
+                        "larger model is split into several, with an index. Memory holds one shard at a time.")
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out folder.")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="A LoRA checkpoint as a peft adapter folder (adapter_config.json, "
+                             "adapter_model.safetensors) for PeftModel.from_pretrained. Default: the adapters merged "
+                             "into the base weights, a plain Hugging Face folder.")
     return parser
 
 
@@ -246,7 +254,8 @@ def cmd_export(argv: list[str]) -> int:
         from .run.export import export_checkpoint
 
         print(json.dumps(export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite,
-                                           trust_remote_code=args.trust_remote_code)))
+                                           trust_remote_code=args.trust_remote_code, adapter_only=args.adapter_only,
+                                           max_shard_size=args.max_shard_size)))
         return 0
 
     return run_guarded(job)
@@ -285,7 +294,8 @@ def cmd_report(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check,
-            "precompute-ref": cmd_precompute_ref, "export": cmd_export, "bench": cmd_bench, "report": cmd_report}
+            "precompute-ref": cmd_precompute_ref, "eval": cmd_eval, "export": cmd_export, "bench": cmd_bench,
+            "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

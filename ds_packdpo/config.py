@@ -25,6 +25,7 @@ from .errors import InputError
 
 REPO_DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 DTYPES = ("fp32", "bf16")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
 def _opt(help_text: str, default=None, choices=None, **meta):
@@ -47,6 +48,16 @@ class TrainConfig:
     dtype: str = _opt("Training precision.", "fp32", DTYPES)
     attn: str = _opt("Attention backend: auto, sdpa, eager, flex_attention, flash_attention_2, flash_attention_3.", "auto")
     trust_remote_code: bool = _opt("Allow custom modelling code from model folders (off by default).", False)
+    # --- LoRA (peft: pip install -e '.[lora]') ---
+    lora_r: int = _opt("LoRA rank: train low-rank adapters on the frozen (ZeRO-sharded) base weights; the reference is "
+                       "then the policy with its adapters switched off, unless --ref-model or --ref-logps. 0 trains "
+                       "every weight.", 0)
+    lora_alpha: float | None = _opt("LoRA scaling: the adapters' update is alpha / r x B A. Default 2 x --lora-r.")
+    lora_dropout: float = _opt("Dropout on the LoRA adapters' input.", 0.0)
+    lora_target_modules: str = _opt("Modules that get LoRA adapters: comma-separated names (a module matches when its "
+                                    "name is one or ends with '.' + one, e.g. q_proj,v_proj,lm_head), or 'all-linear': "
+                                    "every linear layer but the lm_head (the decoder layers' projections).",
+                                    "all-linear")
     # --- data ---
     dataset: str | None = _opt("Preference data: a .json/.jsonl/.parquet/.arrow file, a save_to_disk folder or a hub name. "
                                "Default: the embedded synthetic dataset.")
@@ -86,7 +97,7 @@ class TrainConfig:
     # --- optimisation and loss ---
     lr: float = _opt("Peak learning rate.", 1e-6)
     weight_decay: float = _opt("AdamW weight decay.", 0.0)
-    warmup_steps: int = _opt("Linear warm-up steps of the LR schedule.", 0)
+    warmup_steps: int = _opt("Linear warm-up steps of the LR schedule (the LR reaches --lr at step N).", 0)
     max_grad_norm: float = _opt("Gradient clipping (0 disables).", 1.0)
     loss: str = _opt("DPO-family loss.", "sigmoid", ("sigmoid", "robust", "hinge", "ipo", "simpo"))
     beta: float = _opt("DPO beta.", 0.1)
@@ -121,9 +132,33 @@ class TrainConfig:
     save_total_limit: int | None = _opt("Keep only the newest K checkpoints.")
     resume: str | None = _opt("'auto' (the latest complete checkpoint in --save-dir, or a fresh start when there is "
                               "none) or a checkpoint folder; continues the run exactly.")
+    allow_new_layout: bool = _opt("Let --resume load a checkpoint written by another number of ranks (or data-/"
+                                  "sequence-parallel split): it is converted once to DeepSpeed's universal format "
+                                  "(kept in the checkpoint's folder) and loaded at this run's layout (ZeRO-3).", False)
     export_on_end: bool = _opt("At the end, write a Hugging Face folder (safetensors, config, tokenizer) to "
                                "OUTPUT_DIR/hf_model, in --dtype.", False)
+    max_shard_size: str = _opt("Largest safetensors file of --export-on-end (e.g. 5GB, 500MB); a larger model is split "
+                               "into several, with an index.", "5GB")
     max_bad_steps: int = _opt("A step with a NaN/inf loss or gradient is skipped; abort after this many in a row.", 3)
+    # --- training at scale: activation checkpointing, LR schedule, held-out evaluation ---
+    gradient_checkpointing: bool = _opt(
+        "Recompute every decoder layer's activations in backward instead of keeping them (transformers' "
+        "non-reentrant activation checkpointing): activation memory of one layer instead of all, for about one more "
+        "forward per step. Puts the policy in training mode.", False)
+    lr_scheduler: str = _opt(
+        "LR after the warm-up: constant, linear decay or cosine decay to --min-lr-ratio x --lr at the end of the run "
+        "(DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR; the total steps come from the plan).", "linear",
+        LR_SCHEDULERS)
+    warmup_ratio: float | None = _opt("Warm-up steps as a fraction of the run's steps (rounded up), instead of "
+                                      "--warmup-steps.")
+    min_lr_ratio: float = _opt("The LR the linear and cosine schedules start the warm-up from and decay to, as a "
+                               "fraction of --lr.", 0.0)
+    eval_dataset: str | None = _opt("Held-out preference data for evaluation (any format --dataset accepts).")
+    eval_fraction: float | None = _opt(
+        "Hold out this fraction of --dataset for evaluation, chosen by pair content (a hash of its tokens): the same "
+        "pairs whatever the seed, layout or order, never trained on.")
+    eval_steps: int | None = _opt("Evaluate every N optimizer steps (always after the last one too).")
+    eval_max_pairs: int | None = _opt("Evaluate on the first N held-out pairs only.")
 
     # ------------------------------------------------------------------
     @property
@@ -194,7 +229,8 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {getattr(self, key)}")
-        for key in ["max_tokens_per_row", "global_batch_pairs", "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs"]:
+        for key in ["max_tokens_per_row", "global_batch_pairs", "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs",
+                    "eval_steps", "eval_max_pairs"]:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {value}")
@@ -221,14 +257,18 @@ class TrainConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {value}")
+        self._validate_scale_settings()
         if self.max_bad_steps < 1:
             raise InputError(f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
         if self.save_total_limit is not None and not self.save_steps:
             raise InputError("--save-total-limit needs --save-steps (nothing is saved without it)")
+        if self.allow_new_layout and self.resume is None:
+            raise InputError("--allow-new-layout needs --resume (it says how to load a checkpoint)")
         if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():
             raise InputError(f"--resume {self.resume}: no such checkpoint folder (or pass 'auto')")
         if self.model is None and self.ref_model is not None:
             raise InputError("--ref-model needs --model (a model built from a config is its own reference)")
+        self._validate_lora()
         if self.ref_logps is not None:
             if not Path(self.ref_logps).is_file():
                 raise InputError(f"--ref-logps {self.ref_logps}: no such file")
@@ -237,6 +277,52 @@ class TrainConfig:
                         else "--ref-offload needs a reference model")
                 raise InputError(f"--ref-logps {self.ref_logps}: {what}; drop one of them")
 
+    def _validate_scale_settings(self) -> None:
+        """The LR schedule and the held-out evaluation settings."""
+        if self.warmup_ratio is not None:
+            if not 0.0 <= self.warmup_ratio < 1.0:
+                raise InputError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+            if self.warmup_steps:
+                raise InputError("--warmup-steps and --warmup-ratio are exclusive; give one")
+        if not 0.0 <= self.min_lr_ratio < 1.0:
+            raise InputError(f"--min-lr-ratio must be in [0, 1), got {self.min_lr_ratio}")
+        if self.lr_scheduler == "constant" and self.min_lr_ratio:
+            raise InputError(f"--min-lr-ratio {self.min_lr_ratio} has no effect with --lr-scheduler constant (it is the "
+                             f"floor of linear and cosine); set it to 0 or pick one of them")
+        if self.eval_fraction is not None:
+            if not 0.0 < self.eval_fraction < 1.0:
+                raise InputError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+            if self.eval_dataset is not None:
+                raise InputError("--eval-dataset and --eval-fraction are exclusive: evaluate on another dataset or on "
+                                 "a held-out part of --dataset")
+        if self.eval_dataset is None and self.eval_fraction is None:
+            for key in ("eval_steps", "eval_max_pairs"):
+                if getattr(self, key) is not None:
+                    raise InputError(f"--{flag(key)} needs a held-out set: --eval-dataset or --eval-fraction")
+        if self.eval_dataset is not None and self.ref_logps is not None:
+            raise InputError(f"--eval-dataset with --ref-logps {self.ref_logps}: the file holds the reference log-probs "
+                             f"of --dataset only; evaluate on --eval-fraction of it, or drop --ref-logps")
+
+
+    def _validate_lora(self) -> None:
+        if self.lora_r < 0:
+            raise InputError(f"--lora-r must be >= 0 (0: full fine-tuning), got {self.lora_r}")
+        if not self.lora_r:
+            given = [f"--{flag(key)}" for key, default in (("lora_alpha", None), ("lora_dropout", 0.0),
+                                                          ("lora_target_modules", "all-linear"))
+                     if getattr(self, key) != default]
+            if given:
+                raise InputError(f"{', '.join(given)} without --lora-r: LoRA is off (give --lora-r R > 0)")
+            return
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise InputError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise InputError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if not [name for name in self.lora_target_modules.split(",") if name.strip()]:
+            raise InputError("--lora-target-modules: no module name given")
+        if self.ref_offload and self.ref_model is None and self.ref_logps is None:
+            raise InputError("--ref-offload with --lora-r: the reference is the policy with its adapters off, there "
+                             "is no reference model to offload (give --ref-model to use a separate one)")
 
 def check_model_folder(path: str, where: str = "--model") -> Path:
     """A local Hugging Face model folder (one holding config.json), or InputError naming it."""

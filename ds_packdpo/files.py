@@ -1,11 +1,16 @@
-"""Output files written whole or not at all (design invariant 5: nothing is partially written).
+"""Output files written whole or not at all (design invariant 5: nothing is partially written), and durably.
 
+A rename makes a write atomic; only an ``fsync`` of the file and then of its folder makes
+it (and the rename) survive a power loss: without it a pointer such as a checkpoint's
+``latest`` could reach the disk before the files it names.  Every writer here syncs.
 Plain Python, no torch: the data and packing stages use it too.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -13,17 +18,65 @@ from pathlib import Path
 from .errors import InputError
 
 
+def fsync_dir(path) -> None:
+    """Makes the entries of folder ``path`` (files created, renamed or removed in it) durable."""
+    handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def fsync_tree(path) -> None:
+    """Makes a file, or every file and folder below a folder (itself included), durable on disk."""
+    path = Path(path)
+    if not path.is_dir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+        return
+    for folder, _, files in os.walk(path, topdown=False):  # a folder after what it holds
+        for name in files:
+            fsync_tree(Path(folder) / name)
+        fsync_dir(folder)
+
+
 def atomic_write(path, write: Callable[[str], object]) -> None:
-    """``write(temporary_path)`` beside ``path``, then a rename: a crash leaves the old file or none, never half."""
+    """``write(temporary_path)`` beside ``path``, synced, then a rename: a crash leaves the old file or none, never
+    half, and a power loss after the return cannot undo it."""
     path = Path(path)
     handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
     handle.close()
     try:
         write(handle.name)
+        fsync_tree(handle.name)
         os.replace(handle.name, path)
     except BaseException:
         os.unlink(handle.name)
         raise
+    fsync_dir(path.parent)
+
+
+def atomic_folder(out, fill: Callable[[Path], object]) -> None:
+    """``fill(staging_folder)`` beside ``out``, synced, then renamed to ``out`` (an existing ``out`` is replaced):
+    readers see the old folder or the complete new one, never a part."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    staging.mkdir()  # with the umask's permissions, as out would have (mkdtemp's are 0700)
+    try:
+        fill(staging)
+        fsync_tree(staging)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            out.rename(old / out.name)
+            staging.rename(out)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
 
 
 def check_output_file(path, flag: str, overwrite: bool) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -21,9 +20,8 @@ import torch.distributed as dist
 
 from .config import add_arguments, config_from_args
 from .data.run_plan import run_plan
-from .errors import run_guarded
 from .run.assemble import RunSetup, prepare, start
-from .run.process_group import close_process_group
+from .run.process_group import run_rank_job
 from .run.reference import RECORD_KEYS, check_output_path, reference_fingerprint, write_reference
 
 
@@ -87,15 +85,7 @@ def precompute(cfg, out: str | None) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def job() -> int:
-        cfg, out = parse_args(argv, prog="ds_packdpo.precompute_ref")
-        summary = precompute(cfg, out)
-        close_process_group()
-        if summary is not None:
-            print(json.dumps(summary, indent=2))
-        return 0
-
-    return run_guarded(job)
+    return run_rank_job(lambda: precompute(*parse_args(argv, prog="ds_packdpo.precompute_ref")))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ sibling and renamed into place, so a reader never sees a half-written report.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 
 from .errors import InputError
+from .files import atomic_folder
 
 matplotlib.use("Agg")  # files only, no display
 
@@ -56,10 +55,11 @@ REPORT_SCHEMA = {
                                                       "runs.packed.computed_tokens: tokens without sharing / tokens "
                                                       "with (null without both)"),
     "loss_max_rel_diff": (OPTIONAL_NUMBER, "largest |loss - first configuration's loss| / |first's| over the measured "
-                                           "steps: every configuration trains the same pairs, so this is rounding "
-                                           "(null with one configuration)"),
-    "same_trajectory": ((bool, type(None)), "loss_max_rel_diff is within SAME_TRAJECTORY_RTOL of --dtype (null with "
-                                             "one configuration)"),
+                                           "steps of the configurations that train the same parameters as the first "
+                                           "(not the LoRA ones of a full fine-tuning first): they train the same pairs, "
+                                           "so this is rounding (null when no other configuration compares)"),
+    "same_trajectory": ((bool, type(None)), "loss_max_rel_diff is within SAME_TRAJECTORY_RTOL of --dtype (null when "
+                                             "no other configuration compares)"),
 }
 # Packed, padded, dense-mask or precomputed-reference runs of the same steps differ only by rounding: measured
 # here <= 1e-6 relative in fp32; bf16 rounds each log-prob to ~3 significant digits.
@@ -104,14 +104,24 @@ def _ratio(numerator, denominator):
     return numerator / denominator if numerator is not None and denominator else None
 
 
+# Settings that change which parameters a configuration trains: such a configuration follows its own trajectory.
+TRAINED_PARAMETER_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+
+
+def _trained_parameters(run: dict) -> dict:
+    return {key: run["overrides"].get(key) for key in TRAINED_PARAMETER_SETTINGS}
+
+
 def loss_max_rel_diff(runs: dict) -> float | None:
-    """How far the configurations' per-step losses are from the first configuration's (None with one)."""
-    measured = list(runs.values())
-    if len(measured) < 2:
+    """How far the per-step losses of the configurations that train the same parameters as the first are from the
+    first configuration's (None when there is no such other configuration)."""
+    first, *others = runs.values()
+    compared = [run for run in others if _trained_parameters(run) == _trained_parameters(first)]
+    if not compared:
         return None
-    first = {step["step"]: step["loss"] for step in measured[0]["steps"]}
-    return max(abs(step["loss"] - first[step["step"]]) / max(abs(first[step["step"]]), 1e-12)
-               for run in measured[1:] for step in run["steps"])
+    losses = {step["step"]: step["loss"] for step in first["steps"]}
+    return max(abs(step["loss"] - losses[step["step"]]) / max(abs(losses[step["step"]]), 1e-12)
+               for run in compared for step in run["steps"])
 
 
 def build_report(command: str, layout: dict, dataset: str, model: dict, environment: dict, settings: dict,
@@ -179,20 +189,7 @@ def write_atomically(out: Path, overwrite: bool, fill) -> None:
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise InputError(f"--out {out}: exists and is not an empty folder (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        fill(staging)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            out.rename(old / "report")
-            staging.rename(out)
-            shutil.rmtree(old)
-        else:
-            staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    atomic_folder(out, fill)
 
 
 def write_report_folder(report: dict, out: Path, overwrite: bool = False) -> None:
@@ -268,11 +265,12 @@ def _trajectory_line(report: dict) -> str:
     """Whether the configurations of this report trained the same thing (they must: same pairs per step)."""
     diff = report["loss_max_rel_diff"]
     if diff is None:
-        return "One configuration: no trajectory to compare.\n"
+        return "No two configurations that train the same parameters: no trajectory to compare.\n"
     tolerance = SAME_TRAJECTORY_RTOL[report["settings"]["dtype"]]
     verdict = ("the same trajectory up to rounding" if report["same_trajectory"]
                else "**different trajectories: the configurations did not train the same thing**")
-    return (f"Per-step loss of every configuration against the first: largest relative difference "
+    return (f"Per-step loss of every configuration that trains the same parameters as the first, against the first: "
+            f"largest relative difference "
             f"{diff:.2g} (rounding bound for {report['settings']['dtype']}: {tolerance:g}): {verdict}.\n")
 
 

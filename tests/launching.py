@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ds_packdpo.cli import free_port
+from ds_packdpo.run.layout import free_port
 from ds_packdpo.run.build_lock import venv_extensions_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -181,7 +181,7 @@ BAD_CONFIGS = {
         "'optimizer.type': 'AdamQ' is neither a DeepSpeed nor a torch.optim optimizer"),
     "DeepSpeed unknown scheduler": (
         lambda d: ["--ds-config", _ds_config(d, json.dumps({"scheduler": {"type": "WarmupLRR", "params": {}}}))],
-        "'scheduler.type': 'WarmupLRR' is neither a DeepSpeed nor a torch.optim scheduler"),
+        "'scheduler.type': 'WarmupLRR' contradicts --lr-scheduler linear (WarmupDecayLR, filled from --lr"),
     "model folder without config.json": (
         lambda d: ["--model", str(_folder(d / "not_a_model"))],
         "not_a_model: not a local HF model folder (no config.json in the folder)"),
@@ -191,6 +191,28 @@ BAD_CONFIGS = {
                                           "model.json: unreadable model config"),
     "precomputed reference without its fingerprint": (lambda d: ["--ref-logps", str(_written(d / "ref.jsonl", ""))],
                                                       "ref.jsonl: no fingerprint file ref.jsonl.meta.json beside it"),
+    # the LR schedule and held-out evaluation
+    "warm-up steps and ratio": (lambda d: ["--warmup-steps", "2", "--warmup-ratio", "0.1"],
+                                "--warmup-steps and --warmup-ratio are exclusive; give one"),
+    "warm-up ratio of 1": (lambda d: ["--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1), got 1.0"),
+    "floor of a constant LR": (lambda d: ["--lr-scheduler", "constant", "--min-lr-ratio", "0.1"],
+                               "--min-lr-ratio 0.1 has no effect with --lr-scheduler constant"),
+    "DeepSpeed scheduler contradicts the flags": (
+        lambda d: ["--ds-config", _ds_config(d, json.dumps({"scheduler": {"type": "WarmupDecayLR",
+                                                                          "params": {"warmup_num_steps": 100}}}))],
+        "'scheduler.params.warmup_num_steps': 100 contradicts --lr-scheduler linear (WarmupDecayLR"),
+    "eval steps without a held-out set": (lambda d: ["--eval-steps", "5"],
+                                          "--eval-steps needs a held-out set: --eval-dataset or --eval-fraction"),
+    "eval fraction of 1": (lambda d: ["--eval-fraction", "1"], "--eval-fraction must be in (0, 1), got 1.0"),
+    "eval fraction that holds out no pair": (lambda d: ["--eval-fraction", "0.0001"],
+                                             "--eval-fraction 0.0001: holds out no pair of the 16 pairs of synthetic"),
+    "eval dataset and fraction": (lambda d: ["--eval-fraction", "0.2", "--eval-dataset", str(d / "e.json")],
+                                  "--eval-dataset and --eval-fraction are exclusive"),
+    "eval dataset with a precomputed reference": (
+        lambda d: ["--eval-dataset", str(d / "e.json"), "--ref-logps", str(d / "ref.jsonl")],
+        "the file holds the reference log-probs of --dataset only"),
+    "missing eval dataset": (lambda d: ["--eval-dataset", str(d / "nowhere.jsonl")],
+                             "nowhere.jsonl: no such file or folder"),
 }
 
 
@@ -211,6 +233,21 @@ def _model_config(folder: Path, **overrides) -> str:
 def test_impossible_configurations(case, tmp_path, train_front):
     make, expected = BAD_CONFIGS[case]
     train_front(*make(tmp_path), parts=(expected,))
+
+
+def test_eval_needs_the_trained_model_and_its_reference(tmp_path, monkeypatch, capsys):
+    """``ds-packdpo eval`` without --model, or without the model it was trained from: refused before any launch."""
+    monkeypatch.setattr(cli, "_launch", lambda *a, **k: pytest.fail("the launcher started although the input is bad"))
+    for key in cli.LAUNCHED_ENV:
+        monkeypatch.delenv(key, raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert cli.main(["eval", "--synthetic-pairs", "16"]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, "eval: --model is required")
+    assert cli.main(["eval", "--model", str(model)]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, "eval: --ref-model (the model the policy was trained from) or "
+                          "--ref-logps is required")
 
 
 def test_export_refuses_missing_checkpoint_and_full_folder(tmp_path, out_dir, capsys):
@@ -288,7 +325,7 @@ def test_unknown_command_is_named(capsys):
     assert cli.main(["trian", "--max-steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines()[0] == "ds-packdpo: unknown command 'trian'"
-    assert "usage: ds-packdpo {train, prepare" in err
+    assert "usage: ds-packdpo {train, prepare" in err and "eval" in err
 
 
 def test_check_blames_the_missing_model_folder_not_the_tokenizer(tmp_path, capsys):

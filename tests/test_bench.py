@@ -15,6 +15,7 @@ from ds_packdpo import cli
 from ds_packdpo.errors import InputError
 from ds_packdpo.model.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
 from ds_packdpo.model.build import build_model, tiny_config
+from ds_packdpo.model.lora import LoraSettings, add_adapters
 from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, check_report, merge_reports, read_report,
                                write_merged)
 
@@ -80,13 +81,13 @@ def launch_bench(root, name: str, configurations: str, *flags: str):
 @pytest.fixture(scope="module")
 def bench_folder(tmp_path_factory):
     return launch_bench(tmp_path_factory.mktemp("bench"), "tiny",
-                        "packed,padded,packed-plain-logps,packed-precomputed-ref,packed-no-prefix-sharing")
+                        "packed,padded,packed-plain-logps,packed-precomputed-ref,packed-lora,packed-no-prefix-sharing")
 
 
 @pytest.fixture(scope="module")
 def bench_folder_sp2(tmp_path_factory):
     """The same bench with both ranks sharing every row (one data-parallel replica): the steps' pairs are the same."""
-    return launch_bench(tmp_path_factory.mktemp("bench"), "sp2", "packed,packed-precomputed-ref",
+    return launch_bench(tmp_path_factory.mktemp("bench"), "sp2", "packed,packed-precomputed-ref,packed-lora",
                         "--sequence-parallel-size", "2")
 
 
@@ -100,6 +101,8 @@ def test_bench_report_is_consistent(bench_folder):
     assert report["same_trajectory"] is True and report["loss_max_rel_diff"] < 1e-5
     for other in report["runs"].values():
         assert other["sequence_parallel_size"] == 1
+        if other["name"] == "packed-lora":
+            continue  # trains adapters, not every weight: its own trajectory (test_lora_configuration)
         for step, want in zip(other["steps"], packed["steps"], strict=True):
             assert step["loss"] == pytest.approx(want["loss"], rel=1e-5)
             assert step["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
@@ -184,7 +187,7 @@ def test_bench_under_sequence_parallelism_trains_what_one_rank_per_row_trains(be
     single, shared = read_report(bench_folder), read_report(bench_folder_sp2)
     assert (shared["world_size"], shared["dp_size"], shared["sp_size"]) == (2, 1, 2)
     assert shared["same_trajectory"] is True
-    for name in ("packed", "packed-precomputed-ref"):
+    for name in ("packed", "packed-precomputed-ref", "packed-lora"):
         got, want = shared["runs"][name], single["runs"][name]
         assert got["sequence_parallel_size"] == 2 and len(got["steps"][0]["rank_tokens"]) == 1  # one share
         assert got["pairs"] == want["pairs"] and got["real_tokens"] == want["real_tokens"]  # counted once, not twice
@@ -205,6 +208,28 @@ def test_bench_under_sequence_parallelism_trains_what_one_rank_per_row_trains(be
         assert (a["chosen_tokens"], a["rejected_tokens"]) == (b["chosen_tokens"], b["rejected_tokens"])
         for key in ("chosen_logps", "rejected_logps"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["pair_id"], key)
+
+
+@pytest.mark.multirank
+def test_lora_configuration(bench_folder):
+    """packed-lora trains adapters on the frozen base, its reference the policy with its adapters off: the same
+    pairs, a reference forward per row (in the FLOPs) and no reference engine; its loss starts at log 2 like the
+    others' and then follows its own trajectory, which the report's trajectory check leaves out."""
+    report = read_report(bench_folder)
+    packed, lora = report["runs"]["packed"], report["runs"]["packed-lora"]
+    assert lora["overrides"] == {"packing": True, "lora_r": 8}
+    assert [s["sequence_lengths"] for s in lora["steps"]] == [s["sequence_lengths"] for s in packed["steps"]]
+    assert lora["real_tokens"] == packed["real_tokens"]
+    assert lora["computed_tokens"] == packed["computed_tokens"] < lora["real_tokens"]  # each prompt once here too
+    assert all(s["grad_norm"] > 0 for s in lora["steps"])
+    # the FLOPs count no weight gradient for the frozen base, and a reference forward per row
+    base = build_model(None, "tiny", report["model"]["vocab_size"], torch.float32, "sdpa")
+    flop_model = FlopModel.of(add_adapters(base, LoraSettings(8, 16.0, 0.0, "all-linear")), with_reference=True)
+    assert 0 < flop_model.frozen_params < flop_model.matmul_params
+    for step in lora["steps"]:
+        assert step["flops"] == pytest.approx(step_flops(flop_model, step["computed_tokens"], step["attention_sq"]))
+    assert [s["grad_norm"] for s in lora["steps"]] != pytest.approx([s["grad_norm"] for s in packed["steps"]], rel=1e-3)
+    assert report["same_trajectory"] is True  # the other configurations still agree with packed
 
 
 def test_bench_refuses_a_configuration_the_layout_cannot_run(tmp_path, capsys):
@@ -253,7 +278,7 @@ def test_merge_of_two_bench_folders(bench_folder, tmp_path):
     assert merged["entries"] == merge_reports([str(bench_folder), str(other)])["entries"]
     entries = {(e["source"], e["configuration"]): e for e in merged["entries"]}
     configurations = len(changed["runs"])
-    assert configurations == 5 and len(entries) == 2 * configurations and entries[(str(other), "packed")]["world_size"] == 4
+    assert configurations == 6 and len(entries) == 2 * configurations and entries[(str(other), "packed")]["world_size"] == 4
     assert entries[(str(other), "packed")]["sp_size"] == 1
     assert entries[(str(other), "packed")]["tokens_per_s"] == 2 * entries[(str(bench_folder), "packed")]["tokens_per_s"]
     assert (out / "report.md").read_text().count("| padded |") == 2

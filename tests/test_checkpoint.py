@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import BIN, cpu_env, deepspeed_module, free_port, rank_module, read_metrics, run, two_node_launch
+from test_scale import closed_form
 
 from ds_packdpo import cli
 from ds_packdpo.run.checkpoint import LATEST, STATE_FILE
@@ -49,15 +50,22 @@ def assert_same_steps(got: list[dict], want: list[dict], steps: range) -> float:
 
 @pytest.mark.multirank
 def test_resume_continues_exactly_one_rank(tmp_path):
+    """A run of 3 steps resumed with --max-steps 6 equals a run of 6 steps: exact with a constant LR (a decaying
+    schedule spans the run's own total steps, which --max-steps changes; its resume: the two-rank test below).  The
+    run prints its plan summary before anything else on stdout."""
+    constant = ("--lr-scheduler", "constant")
     straight = tmp_path / "straight"
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "straight")))
+    proc = run(rank_module("ds_packdpo.train", *flags(tmp_path, "straight", *constant)))
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("plan: 48 pairs in 6 steps (48 training pairs), 2 rows per rank on 1 ranks") and \
+        first.endswith("no evaluation; schedule: constant lr 0.001 over 6 steps, no warm-up"), proc.stdout[:2000]
     split = tmp_path / "split"
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", "--save-steps", "3", "--max-steps", "3")))
+    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", *constant, "--save-steps", "3", "--max-steps", "3")))
     state = json.loads((split / "checkpoints" / "global_step3" / STATE_FILE).read_text())
     assert state["position"] == {"epoch": 0, "epoch_step": 3, "global_step": 3}
     assert (split / "checkpoints" / LATEST).read_text() == "global_step3"
     # resuming into the run's own (non-empty) folder needs no --overwrite; the metrics file is continued
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", "--save-steps", "3", "--resume", "auto",
+    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", *constant, "--save-steps", "3", "--resume", "auto",
                                                "--save-total-limit", "1")))
     resumed = read_metrics(split / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
@@ -100,20 +108,38 @@ def step_logps(model, tmp_path: Path, step: int, tokenizer) -> tuple[float, floa
     return float(out.chosen_logps.mean()), float(out.rejected_logps.mean())
 
 
+# A warm-up, then a cosine decay to a floor: the resumes below land in the middle of it.
+SCHEDULE = ("--lr-scheduler", "cosine", "--warmup-steps", "2", "--min-lr-ratio", "0.1")
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run of 6 steps on a cosine schedule, checkpoints at 3 and 6, --export-on-end in
+    shards of at most 300 KB (the tiny model is 1 MB in fp32): one launch that several tests read."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp, "straight", *SCHEDULE, "--save-steps", "3",
+                                                       "--export-on-end", "--max-shard-size", "300KB")))
+    return tmp / "straight"
+
+
 @pytest.mark.multirank
-def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys):
+def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys, two_rank_run):
+    """A rank killed as step 5 begins (checkpoint at 3), the job resumed: steps 4-6 equal the uninterrupted run's,
+    their LR included (the logged LRs follow the schedule's closed form); then the export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # 1. the uninterrupted run, with a checkpoint at 3 and 6 and the export at the end
-    straight = tmp_path / "straight"
-    run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp_path, "straight", "--save-steps", "3", "--export-on-end")))
+    straight = two_rank_run
     reference = read_metrics(straight / "metrics.jsonl")
+    assert [r["learning_rate"] for r in reference] == pytest.approx(
+        [closed_form("cosine", s, 1e-3, 2, 6, 0.1) for s in range(1, 7)], rel=1e-12)
 
     # 2. two "nodes" of one rank each; rank 1 SIGKILLs itself as step 5 begins
     killed = tmp_path / "killed"
     timeout = 60
     node0, node1 = two_node_launch(tmp_path, "ds_packdpo.train",
-                                   *flags(tmp_path, "killed", "--save-steps", "3", "--collective-timeout-s", str(timeout)),
+                                   *flags(tmp_path, "killed", *SCHEDULE, "--save-steps", "3", "--collective-timeout-s",
+                                          str(timeout)),
                                    env=cpu_env(DS_PACKDPO_FAULT_KILL="1:5"))
     assert node1.wait(timeout=600) == 256 - 9  # the launcher of the killed rank: Python's sys.exit(-SIGKILL)
     dead = time.monotonic()
@@ -128,7 +154,7 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys):
 
     # 3. relaunch through the front command: continues from step 3 in the run's own folder
     run([str(BIN / "ds-packdpo"), "train", "--num-procs", "2", "--master-port", str(free_port()),
-         *flags(tmp_path, "killed", "--save-steps", "3", "--resume", "auto")])
+         *flags(tmp_path, "killed", *SCHEDULE, "--save-steps", "3", "--resume", "auto")])
     resumed = read_metrics(killed / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # the lost step 4 is redone, not duplicated
     largest = assert_same_steps(resumed, reference, range(4, 7))
@@ -156,7 +182,9 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys):
     assert cli.main(["export", "--checkpoint", str(straight / "checkpoints"), "--out", str(exported)]) == 2
     assert "folder is not empty" in capsys.readouterr().err
 
-    # 5. --export-on-end wrote the final weights; a bf16 export of the latest checkpoint is their exact cast
+    # 5. --export-on-end wrote the final weights (in shards: --max-shard-size); a bf16 export of the latest
+    #    checkpoint (one file) is their exact cast
+    assert len(list((straight / "hf_model").glob("model-*-of-*.safetensors"))) > 1
     final = AutoModelForCausalLM.from_pretrained(straight / "hf_model")
     assert cli.main(["export", "--checkpoint", str(straight / "checkpoints"), "--out", str(tmp_path / "bf16"),
                      "--dtype", "bf16"]) == 0
@@ -166,6 +194,65 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys):
     assert final_sd.keys() == half_sd.keys()
     assert all(torch.equal(final_sd[k].to(torch.bfloat16), half_sd[k]) for k in final_sd)
     assert not all(torch.equal(final_sd[k], model.state_dict()[k]) for k in final_sd)  # steps 4-6 did train
+
+
+@pytest.mark.multirank
+def test_sharded_export_and_resume_on_another_layout(tmp_path, capsys, two_rank_run):
+    """The 2-rank ZeRO-3 checkpoint of step 3: exported in shards of at most 200 KB it loads with from_pretrained
+    and equals today's single-file export (zero_to_fp32's whole state dict -> save_pretrained); resumed on 1 rank
+    with --allow-new-layout (DeepSpeed's universal format), steps 4-6 continue the 2-rank run, the middle of its cosine
+    LR schedule included."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint = two_rank_run / "checkpoints" / "global_step3"
+    whole_dir, one_file, shards = tmp_path / "whole", tmp_path / "one_file", tmp_path / "shards"
+    config = AutoConfig.from_pretrained(checkpoint / "hf")
+    with torch.device("meta"):
+        whole = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    whole.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name),
+                          strict=True, assign=True)
+    whole.save_pretrained(whole_dir)
+    # the default --max-shard-size (5GB): one file, byte for byte the one save_pretrained writes
+    assert cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(one_file)]) == 0
+    assert (one_file / "model.safetensors").read_bytes() == (whole_dir / "model.safetensors").read_bytes()
+    assert cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(shards), "--max-shard-size", "200KB"]) == 0
+    index = json.loads((shards / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 4 and files == sorted(p.name for p in shards.glob("*.safetensors"))
+    with safe_open(whole_dir / "model.safetensors", "pt") as single:
+        assert set(index["weight_map"]) == set(single.keys())
+    loaded, want = AutoModelForCausalLM.from_pretrained(shards).state_dict(), whole.state_dict()
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], want[k]) for k in want)
+    assert cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "bad"),
+                     "--max-shard-size", "5XB"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: --max-shard-size 5XB: not a size such as 5GB")
+
+    # 1 rank from the 2-rank checkpoint: converted once into global_step3/universal, then the same trajectory
+    one_rank = tmp_path / "one_rank"
+    run(rank_module("ds_packdpo.train", *flags(tmp_path, "one_rank", *SCHEDULE, "--save-steps", "3", "--resume",
+                                               str(checkpoint), "--allow-new-layout")))
+    assert (checkpoint / "universal" / "zero").is_dir() and not list(checkpoint.glob(".universal.*"))
+    resumed, reference = read_metrics(one_rank / "metrics.jsonl"), read_metrics(two_rank_run / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    largest = 0.0
+    for got in resumed:
+        want_step = reference[got["step"] - 1]
+        assert (got["pairs"], got["tokens"]) == (want_step["pairs"], want_step["tokens"])
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "learning_rate"):  # the schedule too
+            assert got[key] == pytest.approx(want_step[key], rel=1e-4, abs=1e-6), (got["step"], key)
+            largest = max(largest, abs(got[key] - want_step[key]) / abs(want_step[key]))
+    # the optimizer state carried over too: the final weights are those of the 2-rank run
+    assert cli.main(["export", "--checkpoint", str(one_rank / "checkpoints"), "--out", str(tmp_path / "one_hf")]) == 0
+    mine = AutoModelForCausalLM.from_pretrained(tmp_path / "one_hf").state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(two_rank_run / "hf_model").state_dict()
+    weight_diff = max(float((mine[k] - theirs[k]).abs().max()) for k in theirs)
+    with capsys.disabled():
+        print(f"2 ranks -> 1 rank (--allow-new-layout), steps 4-6: largest relative metric difference {largest:.1e}, "
+              f"final weights {weight_diff:.1e}")
+    assert weight_diff <= 1e-6
 
 
 @pytest.mark.multirank
@@ -282,4 +369,104 @@ def test_resume_under_sequence_parallelism_continues_exactly(tmp_path, capsys):
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (f"error: --resume {killed / 'checkpoints' / 'global_step4'}: written by 2 ranks (1 data-parallel x "
                     "2 sequence-parallel), this run is 2 ranks (2 data-parallel x 1 sequence-parallel); DeepSpeed ZeRO "
-                    "shards load only into the same layout"), last
+                    "shards load only into the same layout (pass --allow-new-layout to load it at this one through "
+                    "DeepSpeed's universal format)"), last
+
+
+class _FakeEngine:
+    """What Checkpointer.save asks of a DeepSpeed engine: the module's config, and shard files written on save."""
+
+    def __init__(self):
+        from ds_packdpo.model.build import tiny_config
+
+        self.module = type("Module", (), {"config": tiny_config()})()
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            (Path(save_dir) / tag / name).write_bytes(b"shard")
+
+
+def test_save_syncs_every_file_before_latest_moves(tmp_path, monkeypatch):
+    """Every file of a checkpoint (ours and DeepSpeed's), its folders and its entry are fsynced before 'latest' is
+    replaced, and 'latest' itself (with its folder) after."""
+    from types import SimpleNamespace
+
+    from ds_packdpo.config import parse_train_args
+    from ds_packdpo.run import checkpoint as ckpt
+    from ds_packdpo.run.layout import ParallelLayout
+
+    synced, when_latest_moved = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        if Path(dst).name == LATEST:
+            when_latest_moved.append(list(synced))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(ckpt.dist, "barrier", lambda: None)
+    cfg = parse_train_args(["--output-dir", str(tmp_path / "run"), "--save-steps", "1"])
+    tokenizer = SimpleNamespace(save_pretrained=lambda folder: (Path(folder) / "tokenizer.json").write_text("{}"))
+    setup = SimpleNamespace(layout=ParallelLayout(world_size=1), prepared=SimpleNamespace(fingerprint="data"),
+                            tokenizer=tokenizer)
+    tag_dir = ckpt.Checkpointer(cfg, SimpleNamespace(setup=setup)).save(_FakeEngine(), 1, 0, 1, 0)
+    everything = {tag_dir, *tag_dir.rglob("*")}
+    assert {p.name for p in everything} >= {STATE_FILE, "rng_rank0.pt", "hf", "config.json", "tokenizer.json",
+                                             "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+    [before] = when_latest_moved
+    assert everything | {tag_dir.parent} <= set(before), everything - set(before)
+    assert synced[-1] == tag_dir.parent and (tag_dir.parent / LATEST).read_text() == tag_dir.name
+
+
+def test_rng_of_ranks_new_to_the_checkpoint(tmp_path):
+    """A rank the checkpoint had continues its saved stream; a new rank's stream depends on (seed, step, rank) only."""
+    from ds_packdpo.run.checkpoint import ResumePoint, restore_rng, rng_state
+
+    torch.save(rng_state(), tmp_path / "rng_rank0.pt")
+    saved = torch.rand(4)
+    point = ResumePoint(tmp_path, epoch=0, epoch_step=3, global_step=3, bad_steps=0, saved_world_size=1,
+                        universal=True)
+
+    def draws(rank: int, seed: int = 0, at: ResumePoint = point) -> torch.Tensor:
+        torch.rand(7)  # whatever came before
+        restore_rng(at, rank, seed)
+        return torch.rand(4)
+
+    assert torch.equal(draws(0), saved)
+    assert torch.equal(draws(1), draws(1)) and torch.equal(draws(2), draws(2))
+    later = ResumePoint(tmp_path, 0, 4, 4, 0, 1, True)
+    others = [draws(2), draws(1, seed=1), draws(1, at=later), saved]
+    assert all(not torch.equal(draws(1), other) for other in others)
+
+
+def test_resume_at_another_layout_needs_the_flag_and_zero3(tmp_path):
+    """Phase one: a checkpoint of 2 ranks resumed by 1 is refused naming --allow-new-layout; with it, a ZeRO-3
+    checkpoint is loaded through the universal format, another stage is refused; the flag needs --resume."""
+    from ds_packdpo.config import parse_train_args
+    from ds_packdpo.errors import InputError
+    from ds_packdpo.run.checkpoint import check_resume, plan_fingerprint
+    from ds_packdpo.run.layout import ParallelLayout
+
+    def resume(stage: int, *extra: str):
+        run_flags = ["--output-dir", str(tmp_path / "out")]
+        tag_dir = tmp_path / f"stage{stage}" / "global_step4"
+        if not tag_dir.exists():
+            fake_checkpoint(tag_dir, 2, 2, zero_stage=stage, dtype="fp32", bad_steps=0,
+                            plan_fingerprint=plan_fingerprint(parse_train_args(run_flags), "data"),
+                            position={"epoch": 0, "epoch_step": 4, "global_step": 4})
+        cfg = parse_train_args([*run_flags, "--resume", str(tag_dir), *extra])
+        return check_resume(cfg, "data", ParallelLayout(world_size=1, zero_stage=stage))
+
+    with pytest.raises(InputError, match=r"this run is 1 ranks .*\(pass --allow-new-layout to load it at this one"):
+        resume(3)
+    point = resume(3, "--allow-new-layout")
+    assert (point.universal, point.saved_world_size, point.global_step) == (True, 2, 4)
+    with pytest.raises(InputError, match=r"ZeRO stage 2; loading at another layout is supported for ZeRO-3"):
+        resume(2, "--allow-new-layout")
+    with pytest.raises(InputError, match="--allow-new-layout needs --resume"):
+        parse_train_args(["--allow-new-layout"])

@@ -59,7 +59,10 @@ COMMANDS = {
     "report": (cli.report_parser, _plain(cli.report_parser), ["folder", "--out", "o"]),
 }
 # Flags that need another one to be valid at all (they are given in both command lines).
-CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"]}
+CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"],
+           "--allow-new-layout": ["--resume", "MODEL"],
+           "--eval-steps": ["--eval-fraction", "0.5"], "--eval-max-pairs": ["--eval-fraction", "0.5"],
+           **{f"--lora-{name}": ["--lora-r", "1"] for name in ("alpha", "dropout", "target-modules")}}
 
 
 @pytest.fixture
@@ -75,7 +78,7 @@ def values(tmp_path, monkeypatch) -> dict[str, str]:
     ref.write_text("")
     return {"MODEL": str(model), "--model": str(model), "--ref-model": str(model), "--tokenizer": str(model),
             "--config": str(config), "--ref-logps": str(ref), "--resume": str(model),
-            "--configurations": "padded", "--out": str(tmp_path / "new_out.jsonl")}
+            "--configurations": "padded", "--out": str(tmp_path / "new_out.jsonl"), "--max-shard-size": "200MB"}
 
 
 def _options(parser: argparse.ArgumentParser):

@@ -25,6 +25,7 @@ from launching import REPO, SMALL_RUN, cpu_env, free_port, launch_script, read_m
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.run.engines import fill_ds_config, load_ds_config, reference_ds_config
+from ds_packdpo.run.schedule import run_schedule
 
 LN2 = math.log(2.0)
 COMPARED = ("loss", "grad_norm", "rewards/margins")
@@ -156,7 +157,7 @@ def test_reference_config_offloads_parameters_and_has_no_monitor(tmp_path):
     raw, source = load_ds_config("zero3")
     raw["csv_monitor"] = {"enabled": True, "output_path": "auto", "job_name": "csv"}
     cfg = parse_train_args(["--output-dir", str(tmp_path / "run"), "--dtype", "bf16", "--ref-offload"])
-    policy = fill_ds_config(raw, source, cfg, 2, 64, "cpu")
+    policy = fill_ds_config(raw, source, cfg, 2, 64, "cpu", run_schedule(cfg, total_steps=10))
     assert policy["csv_monitor"]["output_path"] == str(tmp_path / "run")  # "auto": under the run's folder
     assert policy["bf16"] == {"enabled": True}
     reference = reference_ds_config(policy, offload=True)
@@ -243,7 +244,7 @@ def test_bf16_offloaded_reference_and_monitors(two_node_run, tmp_path):
 
     deepspeed_lr = monitored("Train/Samples/lr")
     assert [step for _, step in monitored("Train/step")] == [r["step"] for r in records]
-    for key in ("loss", "grad_norm", "lr", "rewards/margins", "rewards/accuracies", "logps/chosen", "tokens"):
+    for key in ("loss", "grad_norm", "learning_rate", "rewards/margins", "rewards/accuracies", "logps/chosen", "tokens"):
         assert monitored(f"Train/{key}") == [(index, r[key]) for (index, _), r in zip(deepspeed_lr, records,
                                                                                       strict=True)], key
     if tensorboard:

@@ -102,11 +102,16 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
                              *flags))
         return read_metrics(tmp_path / name / "metrics.jsonl")
 
-    live = launch("live")
-    precomputed = launch("precomputed", "--ref-logps", str(out))
+    # both evaluate a held-out quarter after steps 2 and 3: the file (of all 48 pairs) serves the held-out ones too
+    held_out = ("--eval-fraction", "0.25", "--eval-steps", "2")
+    live = launch("live", *held_out)
+    precomputed = launch("precomputed", "--ref-logps", str(out), *held_out)
     assert live[0]["loss"] == pytest.approx(0.693147, abs=1e-5) and live[-1]["loss"] < live[0]["loss"]
+    assert ["eval_loss" in r for r in precomputed] == [False, True, True]
     for want, got in zip(live, precomputed, strict=True):
-        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/chosen", "logits/chosen"):
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/chosen", "logits/chosen",
+                    *(("eval_loss", "eval_rewards/margins", "eval_rewards/chosen", "eval_logps/rejected")
+                      if "eval_loss" in want else ())):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
 
     # 3. a file that does not fit the run is refused before any process group, in one line

@@ -17,31 +17,48 @@ def launch(tmp_path: Path, name: str, procs: int, *flags: str) -> list[dict]:
     return read_metrics(out / "metrics.jsonl")
 
 
+# A quarter of the 48 pairs held out by content (12: 36 train in 3 steps of 12), evaluated after steps 2 and 3.
+HELD_OUT = ("--eval-fraction", "0.25", "--eval-steps", "2")
+EVAL_KEYS = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_rewards/chosen",
+             "eval_rewards/rejected", "eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen")
+
+
 @pytest.mark.multirank
 def test_trajectory_independent_of_layout(tmp_path):
     """Invariant 2: world size 1 vs 2, packed vs padded, prefix sharing on or off, row budget and sequence parallelism
-    give one trajectory.  The reference runs every prompt twice (--no-prefix-sharing); the packed layouts share each
-    pair's prompt (the default), the padded one cannot."""
-    reference = launch(tmp_path, "w1_packed", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing")
+    give one trajectory, and the same held-out evaluation figures.  The reference runs every prompt twice
+    (--no-prefix-sharing); the packed layouts share each pair's prompt (the default), the padded one cannot."""
+    reference = launch(tmp_path, "w1_packed", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing", *HELD_OUT)
     layouts = {
-        "w2_packed": launch(tmp_path, "w2_packed", 2, "--max-tokens-per-row", "1024"),
-        "w2_small_rows": launch(tmp_path, "w2_small", 2, "--max-tokens-per-row", "200"),
-        "w2_padded": launch(tmp_path, "w2_padded", 2, "--no-packing", "--micro-batch-pairs", "2"),
+        "w2_packed": launch(tmp_path, "w2_packed", 2, "--max-tokens-per-row", "1024", *HELD_OUT),
+        "w2_small_rows": launch(tmp_path, "w2_small", 2, "--max-tokens-per-row", "200", *HELD_OUT),
+        "w2_padded": launch(tmp_path, "w2_padded", 2, "--no-packing", "--micro-batch-pairs", "2", *HELD_OUT),
         # Sequence parallelism: one group of 2 ranks shares every row of 2 x 100 tokens; most pairs need more
         # than 100 (test_sequence_parallel.py checks that S=1 refuses this budget).
         "w2_sp2_small_rows": launch(tmp_path, "w2_sp2", 2, "--max-tokens-per-row", "100",
-                                    "--sequence-parallel-size", "2"),
+                                    "--sequence-parallel-size", "2", *HELD_OUT),
     }
     assert [r["step"] for r in reference] == [1, 2, 3]
     assert reference[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at step 1
     assert reference[-1]["loss"] < reference[0]["loss"]
-    assert all(r["lr"] == 1e-3 for r in reference)  # --lr, constant without --warmup-steps
+    # the default schedule, linear decay without warm-up over the 3 steps: (T + 1 - s) / (T - 1) from step 2
+    assert [r["learning_rate"] for r in reference] == pytest.approx([1e-3, 1e-3, 5e-4], rel=1e-12)
+    summary = json.loads((tmp_path / "w1_packed" / "plan_summary.json").read_text())
+    assert (summary["pairs"], summary["steps"], summary["eval_pairs"], summary["eval_steps"]) == (36, 3, 12, 2)
+    assert ["eval_loss" in r for r in reference] == [False, True, True]  # every 2 steps and after the last
+    assert reference[1]["eval_pairs"] == 12 and reference[-1]["eval_loss"] < reference[1]["eval_loss"]
+    largest = 0.0
     for name, records in layouts.items():
         for ref, got in zip(reference, records, strict=True):
             assert got["pairs"] == ref["pairs"] == 12, name
             assert got["tokens"] == ref["tokens"], name
             for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
                 assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, got[key], ref[key])
+            assert ("eval_loss" in got) == ("eval_loss" in ref) and got.get("eval_pairs") == ref.get("eval_pairs")
+            for key in EVAL_KEYS if "eval_loss" in ref else ():
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (name, key, got[key], ref[key])
+                largest = max(largest, abs(got[key] - ref[key]) / max(abs(ref[key]), 1e-6))
+    print("eval figures over the layouts, largest relative difference:", largest)
     # the small budget really splits rows; padding never computes fewer tokens than packing
     assert max(r["rows_per_rank"] for r in layouts["w2_small_rows"]) > max(r["rows_per_rank"] for r in layouts["w2_packed"])
     padded = layouts["w2_padded"]
@@ -52,7 +69,7 @@ def test_trajectory_independent_of_layout(tmp_path):
     for name in ("w2_packed", "w2_small_rows", "w2_sp2_small_rows"):  # each prompt computed once
         assert all(0 < r["prompt_tokens_shared"] < r["tokens"] // 2 for r in layouts[name]), name
         assert all(r["computed_tokens"] == r["tokens"] - r["prompt_tokens_shared"] for r in layouts[name]), name
-    for key in ("step", "epoch", "loss", "grad_norm", "lr", "pairs", "tokens", "tokens_per_s", "rewards/chosen",
+    for key in ("step", "epoch", "loss", "grad_norm", "learning_rate", "pairs", "tokens", "tokens_per_s", "rewards/chosen",
                 "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
                 "logits/chosen", "logits/rejected"):
         assert key in reference[0]
@@ -62,15 +79,13 @@ def test_trajectory_independent_of_layout(tmp_path):
 def test_uneven_data_finishes_without_hang(tmp_path):
     """3 pairs on 2 ranks: one rank runs a dummy row so both run the same number of forwards.  The same launch shows
     --loss and --warmup-steps in the metrics: IPO's step-1 loss (policy = reference) is (1 / (2 beta))^2, and the LR
-    of DeepSpeed's linear WarmupLR climbs below the peak (without warm-up it is the peak from step 1: the trajectory
-    test).  Measured: 0, 0, 2.5e-4 -- DeepSpeed's WarmupLR keeps the first two steps at its minimum."""
+    climbs by --lr / 4 a step, from the first step on (DeepSpeed's own start ran the first two at 0)."""
     runs = launch(tmp_path, "uneven", 2, "--synthetic-pairs", "3", "--global-batch-pairs", "3", "--max-steps", "3",
                   "--epochs", "3", "--loss", "ipo", "--warmup-steps", "4")
     assert [r["pairs"] for r in runs] == [3, 3, 3]
     assert all(r["rows_per_rank"] >= 1 for r in runs)
     assert runs[0]["loss"] == pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-6)
-    lrs = [r["lr"] for r in runs]
-    assert lrs == sorted(lrs) and lrs[0] < lrs[-1] < 1e-3, lrs
+    assert [r["learning_rate"] for r in runs] == pytest.approx([2.5e-4, 5e-4, 7.5e-4], rel=1e-12)
 
 
 def run_rank(tmp_path: Path, *flags: str):

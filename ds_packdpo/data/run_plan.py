@@ -2,17 +2,19 @@
 
 ``train`` (every rank and the front command), ``bench``, ``precompute-ref`` and
 ``pack-stats`` all plan through :func:`checked_plan_config`, so pack-stats shows exactly
-what training would run.  No torch.
+what training would run; the held-out pairs are planned by the same planner
+(:func:`held_out_plan`).  No torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
 
 from ..errors import InputError
-from .plan import PlanConfig, StepPlan, iter_plan, pair_tokens, validate_lengths, warn_if_ranks_idle
+from .plan import PlanConfig, StepPlan, iter_plan, pair_tokens, steps_per_epoch, validate_lengths, warn_if_ranks_idle
 from .prepare import PreparedPairs
 
 
@@ -50,3 +52,37 @@ def checked_plan_config(cfg, layout, prepared: PreparedPairs) -> PlanConfig:
                      prompt_lengths=prepared.prompt_lengths)
     warn_if_ranks_idle(len(prepared.chosen_lengths), plan_cfg)
     return plan_cfg
+
+
+def total_steps(cfg, plan_cfg: PlanConfig, prepared: PreparedPairs) -> int:
+    """Optimizer steps of the run: every epoch's steps (--epochs; --tokens-per-step steps differ per epoch), cut at
+    --max-steps.  The LR schedule spans them."""
+    lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
+    steps = sum(steps_per_epoch(*lengths, plan_cfg, epoch=e) for e in range(cfg.epochs))
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def held_out_plan(plan_cfg: PlanConfig, held_out: PreparedPairs) -> StepPlan:
+    """Every held-out pair in one step laid out like a training step (same row budget, ranks, packing): rows of
+    near-equal cost, the same number on every rank.  One step, so the rows are as few and as full as they can be."""
+    cfg = dataclasses.replace(plan_cfg, global_batch_pairs=len(held_out.chosen_lengths), tokens_per_step=None,
+                              drop_last=False)
+    validate_lengths(held_out.chosen_lengths, held_out.rejected_lengths, cfg, pair_ids=held_out.dataset["pair_id"],
+                     prompt_lengths=held_out.prompt_lengths)
+    return next(run_plan(held_out, cfg, epochs=1))
+
+
+def plan_figures(plan_cfg: PlanConfig, prepared: PreparedPairs, epochs: int, steps: int) -> dict:
+    """What the run's ``steps`` steps hold: pairs, real tokens, forwards per rank, and the lock-step utilization
+    (real tokens / (ranks x sum over row slots of the slot's largest computed row), what ZeRO-3 pays)."""
+    pairs = real = lockstep = 0
+    rows = []
+    for index, plan in enumerate(run_plan(prepared, plan_cfg, epochs)):
+        if index >= steps:
+            break
+        pairs += plan.num_pairs
+        real += sum(plan.rank_tokens)
+        rows.append(plan.rows_per_rank)
+        lockstep += sum(max(ranks[i].computed_tokens for ranks in plan.ranks) for i in range(plan.rows_per_rank))
+    return {"pairs": pairs, "tokens": real, "rows_per_rank": {"min": min(rows), "max": max(rows)},
+            "lockstep_utilization": real / (plan_cfg.dp_size * lockstep)}

@@ -6,11 +6,11 @@ prepare, pack-stats), so they all see the same pairs for the same settings.  No 
 
 from __future__ import annotations
 
-
 from filelock import FileLock
 
 from ..errors import InputError
-from .prepare import PreparedPairs, prepare_pairs
+from .heldout import first_pairs, split_by_content
+from .prepare import DataConfig, PreparedPairs, prepare_pairs
 from .synthetic import default_tokenizer, synthetic_preference_rows
 from .tokenizer import load_tokenizer
 
@@ -26,10 +26,10 @@ def tokenizer_and_rows(cfg) -> tuple[object, list[dict] | None]:
     raise InputError("--tokenizer is required with --dataset when no --model folder provides one")
 
 
-def prepare_run_data(cfg, tokenizer, rows: list[dict] | None) -> PreparedPairs:
-    """The run's tokenized pairs, tokenized once per node: the first process to take the lock fills the cache,
-    the others then read it."""
-    data_cfg = cfg.data_config()
+def prepare_run_data(cfg, tokenizer, rows: list[dict] | None, data_cfg: DataConfig | None = None) -> PreparedPairs:
+    """The run's tokenized pairs (or those of ``data_cfg``), tokenized once per node: the first process to take the
+    lock fills the cache, the others then read it."""
+    data_cfg = data_cfg or cfg.data_config()
     cache_dir = data_cfg.cache_path
     cache_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache_dir / "prepare.lock")):
@@ -37,3 +37,15 @@ def prepare_run_data(cfg, tokenizer, rows: list[dict] | None) -> PreparedPairs:
     if len(prepared.chosen_lengths) == 0:
         raise InputError(f"--dataset {data_cfg.dataset}: no pairs left after validation and truncation")
     return prepared
+
+
+def split_held_out(cfg, tokenizer, prepared: PreparedPairs) -> tuple[PreparedPairs, PreparedPairs | None]:
+    """(training pairs, held-out pairs or None): --eval-fraction of ``prepared`` by content, or --eval-dataset tokenized
+    like --dataset (its first --eval-max-pairs pairs)."""
+    if cfg.eval_fraction is not None:
+        train, held_out = split_by_content(prepared, cfg.eval_fraction)
+        return train, first_pairs(held_out, cfg.eval_max_pairs)
+    if cfg.eval_dataset is not None:
+        data_cfg = DataConfig.from_settings(cfg, dataset=cfg.eval_dataset, max_pairs=cfg.eval_max_pairs)
+        return prepared, prepare_run_data(cfg, tokenizer, None, data_cfg)
+    return prepared, None

@@ -12,7 +12,9 @@ with d_attn = heads x head_dim, counted without the causal halving).  So one ste
 with ``tokens`` the computed tokens (padding included: the hardware runs it; a shared
 prompt once) and ``S`` the attention term of the layout: the sum of squared sequence
 lengths of a packed row (with prefix sharing (P + C)^2 + R (P + R) per pair:
-``data.plan.pair_attention_sq``), ``rows x width^2`` of a padded micro-batch.
+``data.plan.pair_attention_sq``), ``rows x width^2`` of a padded micro-batch.  Frozen
+weights (the base of a LoRA run, whose adapters count in N) need no weight gradient:
+their backward is ``2 N_frozen`` per token, not ``4 N_frozen``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class FlopModel:
     layers: int
     attn_width: int  # d_attn = query heads x head dim
     with_reference: bool
+    frozen_params: int = 0  # of N, those that get no gradient (a LoRA run's base weights)
 
     @classmethod
     def of(cls, model, with_reference: bool) -> "FlopModel":
@@ -43,16 +46,17 @@ class FlopModel:
             return int(getattr(p, "ds_numel", p.numel()))
 
         total = sum(numel(p) for p in module.parameters())
+        frozen = sum(numel(p) for p in module.parameters() if not p.requires_grad and p is not embedding)
         config = module.config
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         return cls(matmul_params=total - numel(embedding), layers=int(config.num_hidden_layers),
-                   attn_width=heads * head_dim, with_reference=with_reference)
+                   attn_width=heads * head_dim, with_reference=with_reference, frozen_params=frozen)
 
 
 def step_flops(model: FlopModel, computed_tokens: float, attention_sq: float) -> float:
     """Model FLOPs of one optimizer step over all ranks (see the module docstring for the formula)."""
-    linear = 6.0 * model.matmul_params * computed_tokens
+    linear = (6.0 * model.matmul_params - 2.0 * model.frozen_params) * computed_tokens
     attention = 12.0 * model.layers * model.attn_width * attention_sq
     if model.with_reference:
         linear += 2.0 * model.matmul_params * computed_tokens

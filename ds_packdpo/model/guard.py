@@ -39,7 +39,7 @@ def synthetic_pairs(num_pairs: int, vocab_size: int, seed: int = 0, max_tokens: 
 
 
 @contextmanager
-def _evaluating(model):
+def evaluating(model):
     """Eval mode (no dropout) for the comparison, then the previous mode back."""
     was_training = model.training
     model.eval()
@@ -78,7 +78,7 @@ def packing_exactness(model, sequences_pairs: list[dict], attn: str, pad_token_i
     parameter = next(model.parameters())
     device = parameter.device if device is None else torch.device(device)
     index = list(range(len(sequences_pairs)))
-    with torch.no_grad(), _evaluating(model):
+    with torch.no_grad(), evaluating(model):
         collate = collate_shared if shared_prefix else collate_packed
         packed = forward(model, collate(sequences_pairs, index, pad_token_id).to(device), attn)
         alone = _each_sequence_alone(model, collate_padded(sequences_pairs, index, pad_token_id).to(device), attn,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import model_forward_kwargs
+from .lora import hf_model, split_head
 
 if TYPE_CHECKING:
     from .collate import ModelBatch
@@ -156,17 +157,13 @@ LOGPS_IMPLS = ("lean", "plain")
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _unwrap(model) -> torch.nn.Module:
-    """The HF model itself, also behind a DeepSpeed engine (which keeps it in ``.module``)."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, torch.nn.Module) else model
-
-
-def lean_lm_head(model) -> torch.nn.Linear | None:
-    """The lm_head when the lean path computes exactly the model's logits, else None (take the plain path)."""
-    lm = _unwrap(model)
+def lean_lm_head(model) -> torch.nn.Module | None:
+    """The lm_head (a linear layer, or one with a LoRA adapter) when the lean path computes exactly the model's
+    logits, else None (take the plain path)."""
+    lm = hf_model(model)
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if not isinstance(head, torch.nn.Linear) or "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+    linear = split_head(head)[0] if head is not None else None
+    if not isinstance(linear, torch.nn.Linear) or "logits_to_keep" not in inspect.signature(lm.forward).parameters:
         return None
     config = getattr(lm, "config", None)
     if any(getattr(config, key, None) not in (None, 1, 1.0) for key in _LOGIT_POSTPROCESSING):
@@ -195,46 +192,53 @@ def _as_head_call(head: torch.nn.Linear, fn, *args):
 
 
 class _LeanLabelLogProb(torch.autograd.Function):
-    """log_softmax(hidden @ W.T + b)[i, target_i] and the vocab-mean logit, chunk by chunk, recomputed in backward.
+    """log_softmax(hidden @ W.T + b + low_in @ U.T)[i, target_i] and the vocab-mean logit, chunk by chunk,
+    recomputed in backward.
 
-    Applied inside one call of the head module (:func:`_as_head_call`), with the head's weight and bias as
-    inputs: under ZeRO-3 they are whole in forward and again in backward, which computes the hidden-state,
-    weight and bias gradients chunk by chunk itself and returns the weight gradient once per row; autograd
-    accumulates it into ``weight.grad`` (summed with the input embedding's, for a tied weight) and ZeRO-3's
-    gradient hook reduce-scatters it.  No collective runs inside the chunk loop, so ranks with different
-    chunk counts stay in step.  Saved for backward: the selected hidden states and one logsumexp per token;
-    at most one chunk of logits (and its gradient) exists at a time.
+    ``low_in @ U.T`` is the low-rank term of a LoRA adapter on the head (``low_in`` the scaled down-projection of
+    the hidden states, ``U`` the up-projection; both None without one).  Applied inside one call of the head
+    module, and of its adapter's up-projection (:func:`_as_head_call`), with their weights and bias as inputs:
+    under ZeRO-3 they are whole in forward and again in backward, which computes the gradients of the hidden
+    states, the weights and the bias chunk by chunk itself and returns each weight gradient once per row (only
+    those asked for: a frozen base head gets none); autograd accumulates them (summed with the input
+    embedding's, for a tied weight) and ZeRO-3's gradient hook reduce-scatters them.  No collective runs inside
+    the chunk loop, so ranks with different chunk counts stay in step.  Saved for backward: the selected hidden
+    states, the low-rank inputs and one logsumexp per token; at most one chunk of logits (and its gradient)
+    exists at a time.
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, weight, bias, head, spans):
+    def forward(ctx, hidden, targets, weight, bias, low_in, low_weight, head, low_head, spans):
         count = hidden.shape[0]
         token_logps = hidden.new_empty(count, dtype=torch.float32)
         logsumexp = hidden.new_empty(count, dtype=torch.float32)
         mean_logit = hidden.new_empty(count, dtype=torch.float32)
         for span in spans:
-            logits = torch.nn.functional.linear(hidden[span], weight, bias).float()
+            logits = _chunk_logits(hidden[span], weight, bias, low_in, low_weight, span)
             logsumexp[span] = torch.logsumexp(logits, dim=-1)
             token_logps[span] = logits.gather(1, targets[span, None]).squeeze(1) - logsumexp[span]
             mean_logit[span] = logits.mean(dim=-1)
-        ctx.save_for_backward(hidden, targets, logsumexp)
-        ctx.head, ctx.spans = head, spans
+        ctx.save_for_backward(hidden, targets, logsumexp, low_in)
+        ctx.head, ctx.low_head, ctx.spans = head, low_head, spans
         ctx.mark_non_differentiable(mean_logit)
         return token_logps, mean_logit
 
     @staticmethod
     def backward(ctx, grad_token_logps, _grad_mean_logit):
-        hidden, targets, logsumexp = ctx.saved_tensors
-        want_hidden, _, want_weight, want_bias = ctx.needs_input_grad[:4]
+        hidden, targets, logsumexp, low_in = ctx.saved_tensors
+        want_hidden, _, want_weight, want_bias, want_low_in, want_low_weight = ctx.needs_input_grad[:6]
         grad_token_logps = grad_token_logps.float()
         weight, bias = ctx.head.weight, ctx.head.bias  # whole again: ZeRO-3 gathered them for the head's backward
+        low_weight = ctx.low_head.weight if ctx.low_head is not None else None
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight) if want_weight else None
         grad_bias = torch.zeros_like(bias) if want_bias else None
+        grad_low_in = torch.zeros_like(low_in) if want_low_in else None
+        grad_low_weight = torch.zeros_like(low_weight) if want_low_weight else None
         for span in ctx.spans:
             chunk = hidden[span]
             g = grad_token_logps[span, None]
-            logits = torch.nn.functional.linear(chunk, weight, bias).float()
+            logits = _chunk_logits(chunk, weight, bias, low_in, low_weight, span)
             grad_logits = (logits - logsumexp[span, None]).exp_().mul_(-g)
             grad_logits = grad_logits.scatter_add_(1, targets[span, None], g).to(weight.dtype)
             if want_hidden:
@@ -243,18 +247,31 @@ class _LeanLabelLogProb(torch.autograd.Function):
                 grad_weight.addmm_(grad_logits.T, chunk)
             if want_bias:
                 grad_bias += grad_logits.sum(dim=0)
-        return grad_hidden, None, grad_weight, grad_bias, None, None
+            if want_low_in:
+                grad_low_in[span] = grad_logits @ low_weight
+            if want_low_weight:
+                grad_low_weight.addmm_(grad_logits.T, low_in[span])
+        return grad_hidden, None, grad_weight, grad_bias, grad_low_in, grad_low_weight, None, None, None
 
 
-def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk_tokens: int = 4096):
-    """Like :func:`completion_token_logps`, from final hidden states ``[N, L, H]`` and the lm_head."""
+def _chunk_logits(chunk, weight, bias, low_in, low_weight, span) -> torch.Tensor:
+    """One chunk's fp32 logits: the head's linear map, plus its adapter's low-rank term when there is one."""
+    logits = torch.nn.functional.linear(chunk, weight, bias)
+    if low_in is not None:
+        logits = logits.addmm(low_in[span], low_weight.T)
+    return logits.float()
+
+
+def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, chunk_tokens: int = 4096):
+    """Like :func:`completion_token_logps`, from final hidden states ``[N, L, H]`` and the lm_head (a linear
+    layer, or one with a LoRA adapter: its down-projection runs as a module, its up-projection joins the chunks)."""
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
     token_logps, mean_logit = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens)
     return rows, token_logps, mean_logit
 
 
-def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear,
+def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
                    chunk_tokens: int):
     """Log-probs of ``targets`` from the hidden states at the flat positions ``rows`` (a row may repeat: its
     gradient is summed by ``index_select``'s backward)."""
@@ -262,8 +279,19 @@ def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tens
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     spans = [slice(start, start + chunk_tokens) for start in range(0, rows.numel(), chunk_tokens)]
-    return _as_head_call(
-        head, lambda x, y: _LeanLabelLogProb.apply(x, y, head.weight, head.bias, head, spans), selected, targets)
+    base, adapter = split_head(head)
+    if adapter is None:
+        return _as_head_call(
+            base, lambda x, y: _LeanLabelLogProb.apply(x, y, base.weight, base.bias, None, None, base, None, spans),
+            selected, targets)
+    low_in = adapter.down(adapter.dropout(selected)) * adapter.scaling
+    up = adapter.up
+
+    def with_adapter(x, y, z):  # inside the base head's call: the adapter's up-projection is whole too
+        return _as_head_call(up, lambda x2, y2, z2: _LeanLabelLogProb.apply(x2, y2, base.weight, base.bias, z2,
+                                                                             up.weight, base, up, spans), x, y, z)
+
+    return _as_head_call(base, with_adapter, selected, targets, low_in)
 
 
 def scored_tokens(batch: ModelBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
 """One assembly for every run: train, each bench configuration, precompute-ref and check build their run here.
 
 Phase one (:func:`prepare`) needs no process group: settings, the parallel layout, the
-DeepSpeed config, the model config, the tokenized data, the plan, the resume point and
-a precomputed reference file are all checked, so bad input ends in one line on every
+DeepSpeed config, the model config, the tokenized data, the plan, the resume point (and
+the universal form of a checkpoint resumed at another layout) and a precomputed
+reference file are all checked, so bad input ends in one line on every
 rank (and in the front ``ds-packdpo train`` process, before any launch) before anything
 heavy starts.  Phase two (:func:`start`) starts the process group, the sequence-parallel
 groups and their attention, the engines (or only the reference, or a precomputed
@@ -22,28 +23,35 @@ from deepspeed.accelerator import get_accelerator
 from ..config import TrainConfig
 from ..data.plan import PlanConfig
 from ..data.prepare import PreparedPairs
-from ..data.run_plan import checked_plan_config
-from ..data.source import prepare_run_data, tokenizer_and_rows
+from ..data.run_plan import checked_plan_config, total_steps
+from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
 from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, resolve_attn
 from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
+from ..model.hf_folder import shard_size_bytes
 from ..model.logps import SequenceLogps, forward_logps
+from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
 from ..model.losses import LossConfig
 from ..model.prefix_attention import PREFIX_FLASH
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
-from .engines import (build_policy, build_reference, fill_ds_config, load_ds_config, load_model, model_config,
-                      model_hidden_size, zero_stage)
+from .engines import (build_evaluated_policy, build_policy, build_reference, fill_ds_config, load_ds_config, load_model,
+                      model_config, model_hidden_size, zero_stage)
+from .evaluation import HeldOut, held_out_set
 from .layout import ParallelLayout
 from .process_group import init_process_group
 from .reference import PrecomputedReference, load_precomputed_reference
+from .schedule import Schedule, run_schedule
 from .sequence_parallel import SequenceParallel, check_attention, check_model_heads, init_sequence_parallel
+from .universal import ensure_universal, with_universal_loading
 
 # What each command builds in phase two: a trained policy (with its reference), or only a frozen reference,
 # or (check) one model in this process with no process group.
 TRAINING_COMMANDS = ("train", "bench")
-COMMANDS = (*TRAINING_COMMANDS, "precompute-ref", "check")
+COMMANDS = (*TRAINING_COMMANDS, "eval", "precompute-ref", "check")
+# The commands that hold pairs out of --dataset (--eval-fraction) or read --eval-dataset.
+EVALUATING_COMMANDS = (*TRAINING_COMMANDS, "eval")
 
 
 @dataclass
@@ -57,11 +65,13 @@ class RunSetup:
     attn: str  # the resolved backend (the local attention under sequence parallelism)
     ds_config: dict
     tokenizer: object
-    prepared: PreparedPairs
+    prepared: PreparedPairs  # the pairs the run trains on (or computes the reference of)
     plan_cfg: PlanConfig
     loss_cfg: LossConfig
+    schedule: Schedule  # the LR schedule over the run's total steps
     resume: ResumePoint | None = None  # None: a fresh start
     precomputed: PrecomputedReference | None = None  # the --ref-logps file
+    held_out: HeldOut | None = None  # the evaluation's pairs, plan and precomputed reference
 
     @property
     def prefix_sharing(self) -> bool:
@@ -114,6 +124,11 @@ def check_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout) ->
                          f"run {attn}")
 
 
+def model_source(cfg: TrainConfig) -> str:
+    """The flag that names the policy model, for error messages."""
+    return f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
+
+
 def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int) -> None:
     """What a sequence-parallel layout needs of the settings and the model, before any weights exist."""
     if layout.sp_size == 1:
@@ -122,8 +137,14 @@ def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, v
     if not cfg.packing:
         raise InputError(f"--sequence-parallel-size {layout.sp_size} splits packed rows; it cannot be combined with "
                          f"--no-packing")
-    where = f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
-    check_model_heads(model_config(cfg, vocab_size), layout.sp_size, where)
+    check_model_heads(model_config(cfg, vocab_size), layout.sp_size, model_source(cfg))
+
+
+def check_lora_settings(cfg: TrainConfig, vocab_size: int) -> None:
+    """--lora-*: the adapters fit the model (placed on its skeleton, with no weights)."""
+    lora = LoraSettings.of(cfg)
+    if lora is not None:
+        check_adapters(lora, model_config(cfg, vocab_size), model_source(cfg), cfg.trust_remote_code)
 
 
 def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None) -> RunSetup:
@@ -143,20 +164,51 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
                                         world_size=1 if command == "check" else world_size)
     if command == "train":
         check_output_dir(cfg)
+        shard_size_bytes(cfg.max_shard_size)  # --export-on-end's, refused before any work
+    if command == "eval":
+        check_evaluation_models(cfg)
     if command != "check":  # check reports packing alone for a backend that cannot share prefixes
         check_prefix_sharing(cfg, attn, layout)
     tokenizer, rows = tokenizer_and_rows(cfg)
     check_layout_settings(cfg, layout, attn, len(tokenizer))
-    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
-                               device_type)
+    check_lora_settings(cfg, len(tokenizer))
     prepared = prepare_run_data(cfg, tokenizer, rows)
+    held_out = None
+    if command in EVALUATING_COMMANDS:
+        prepared, held_out = split_held_out(cfg, tokenizer, prepared)
+    if command == "eval" and held_out is None:  # no held-out part named: evaluate on --dataset (--max-pairs) itself
+        held_out = prepared
     plan_cfg = checked_plan_config(cfg, layout, prepared)
-    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg)
+    schedule = run_schedule(cfg, total_steps(cfg, plan_cfg, prepared))
+    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
+                               device_type, schedule)
+    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg,
+                     schedule)
     if command == "train":
         setup.resume = check_resume(cfg, prepared.fingerprint, layout)
-    if command in TRAINING_COMMANDS:
+        if setup.resume is not None and setup.resume.universal:
+            if layout.rank == 0:  # once, before any process group: the other ranks wait for rank 0 to start it
+                ensure_universal(setup.resume.tag_dir)
+            setup.ds_config = with_universal_loading(setup.ds_config)
+    if command in EVALUATING_COMMANDS:
         setup.precomputed = load_precomputed_reference(setup)
+    if held_out is not None:
+        setup.held_out = held_out_set(setup, held_out)
     return setup
+
+
+def check_evaluation_models(cfg: TrainConfig) -> None:
+    """``eval`` compares a trained policy (--model) with the model it was trained from: without that reference every
+    reward would be 0 (SimPO needs none)."""
+    if cfg.model is None:
+        raise InputError("eval: --model is required (the trained or exported Hugging Face folder to evaluate)")
+    if cfg.ref_model is None and cfg.ref_logps is None and cfg.loss != "simpo":
+        raise InputError("eval: --ref-model (the model the policy was trained from) or --ref-logps is required: with "
+                         "--model as its own reference every reward is 0")
+
+
+class AdaptersOff:
+    """The reference of a LoRA run without --ref-model: the policy itself with its adapters switched off."""
 
 
 @dataclass
@@ -165,7 +217,7 @@ class Run:
 
     setup: RunSetup
     policy: object | None  # the DeepSpeed policy engine (None for precompute-ref)
-    reference: object | None  # a reference engine or module, a PrecomputedReference, or None (SimPO)
+    reference: object | None  # a reference engine or module, a PrecomputedReference, AdaptersOff, or None (SimPO)
     sequence_parallel: SequenceParallel | None
 
     @property
@@ -187,11 +239,15 @@ class Run:
         return self._forward(model, batch, self.setup.model_attn, cfg.logps_chunk_tokens, cfg.logps_impl)
 
     def reference_logps(self, batch: ModelBatch) -> SequenceLogps | None:
-        """The reference log-probs of ``batch``: looked up, run without gradients, or None (SimPO)."""
+        """The reference log-probs of ``batch``: looked up, run without gradients (a reference model, or the LoRA
+        policy with its adapters off: the same packed row and backend), or None (SimPO)."""
         if self.reference is None:
             return None
         if self.reference_is_precomputed:
             return self.reference.sequence_logps(batch)
+        if isinstance(self.reference, AdaptersOff):
+            with torch.no_grad(), as_reference(self.policy):
+                return self.forward_logps(self.policy, batch)
         with torch.no_grad():
             return self.forward_logps(self.reference, batch)
 
@@ -229,10 +285,16 @@ def start(setup: RunSetup) -> Run:
     policy = None
     if setup.command in TRAINING_COMMANDS:
         policy = build_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
+        if layout.rank == 0:
+            print(trainable_line(policy.module, LoraSettings.of(cfg)), flush=True)
+    elif setup.command == "eval":
+        policy = build_evaluated_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
     if setup.precomputed is not None:
         reference = setup.precomputed
-    elif setup.command in TRAINING_COMMANDS and cfg.loss == "simpo":
+    elif setup.command in EVALUATING_COMMANDS and cfg.loss == "simpo":
         reference = None  # reference-free
+    elif setup.command in TRAINING_COMMANDS and cfg.lora_r and cfg.ref_model is None:
+        reference = AdaptersOff()  # no second model: the base weights are the policy's own, frozen
     else:
         reference = build_reference(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
     run = Run(setup, policy, reference, sequence_parallel)
@@ -241,9 +303,12 @@ def start(setup: RunSetup) -> Run:
     return run
 
 
-def assemble(cfg: TrainConfig, command: str = "train") -> Run:
-    """Both phases, under a launcher (one rank of the job)."""
-    return start(prepare(cfg, command))
+def trainable_line(model, lora: LoraSettings | None) -> str:
+    """The start-up line that says what the optimizer trains."""
+    trainable, total = parameter_counts(model)
+    what = "every weight" if lora is None else (f"LoRA r={lora.r} alpha={lora.alpha:g} on {lora.target_modules}, "
+                                                "base weights frozen")
+    return f"trainable parameters: {trainable:,} of {total:,} ({100.0 * trainable / max(total, 1):.2f}%; {what})"
 
 
 def model_alone(setup: RunSetup):

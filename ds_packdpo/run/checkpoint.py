@@ -6,13 +6,21 @@ Layout of ``--save-dir`` (default ``OUTPUT_DIR/checkpoints``)::
         *_model_states.pt, *_optim_states.pt   DeepSpeed's files; under ZeRO-3 every rank writes its shard
         ds_packdpo_state.json       plan position, fingerprint, bad-step counter, parallel layout (rank 0)
         rng_rank{r}.pt              RNG states of rank r: plain tensors/ints, loads with weights_only=True
-        hf/                         model config + tokenizer (save_pretrained): export needs nothing else
+        hf/                         model config + tokenizer (save_pretrained), and a LoRA run's adapter_config.json
+                                    (its base model's folder in base_model_name_or_path): export needs nothing else
+        universal/                  made by the first resume at another layout (--allow-new-layout)
     latest                          tag of the newest *complete* checkpoint
 
-DeepSpeed writes the tag with ``save_latest=False``; after its closing barrier rank 0
-checks that every rank's files are there and only then replaces ``latest`` (temporary
-file + ``os.replace``).  A crash during a save therefore leaves ``latest`` on the
-previous complete checkpoint, and resuming never reads a partial one.
+DeepSpeed writes the tag with ``save_latest=False``; after its closing barrier every rank
+fsyncs the files it wrote (its RNG file, its ZeRO shards), and rank 0 checks that every
+rank's files are there, fsyncs the whole folder (our state, hf/, every shard) and its
+entry, and only then replaces ``latest`` (temporary file, fsync, ``os.replace``, fsync of
+the folder: ``files.atomic_write``).  A crash during a save therefore leaves ``latest`` on
+the previous complete checkpoint, a power loss cannot leave it naming files that never
+reached the disk, and resuming never reads a partial one.
+
+A checkpoint loads at the layout that wrote it; with ``--allow-new-layout`` at any other
+(``run/universal.py``: DeepSpeed's universal format, converted once into ``universal/``).
 
 The position and the fingerprint also travel in DeepSpeed's ``client_state``, but
 resume reads them from the JSON file: that needs no ``torch.load`` and happens in
@@ -26,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -40,8 +47,10 @@ from deepspeed.accelerator import get_accelerator
 
 from ..config import TrainConfig
 from ..errors import InputError
-from ..files import atomic_write
+from ..files import atomic_write, fsync_dir, fsync_tree
+from ..model.lora import LoraSettings, save_adapter_config
 from .layout import ParallelLayout, describe_sizes
+from .universal import UNIVERSAL_FOLDER, check_convertible, seed_new_rank
 
 STATE_FILE = "ds_packdpo_state.json"
 HF_FOLDER = "hf"
@@ -62,10 +71,13 @@ def resolved_save_dir(cfg: TrainConfig) -> Path:
 def plan_fingerprint(cfg: TrainConfig, data_fingerprint: str) -> str:
     """What decides which pairs make up step s: the data (content, tokenizer, truncation) and the plan settings.
 
-    World size, row budget and packing only change the layout of a step, never its pairs.
+    World size, row budget and packing only change the layout of a step, never its pairs; --eval-fraction decides
+    which pairs train at all.
     """
     key = {"data": data_fingerprint, "seed": cfg.seed, "global_batch_pairs": cfg.batch_pairs,
            "tokens_per_step": cfg.tokens_per_step, "drop_last": cfg.drop_last}
+    if cfg.eval_fraction is not None:  # absent otherwise: checkpoints of runs without a split keep their fingerprint
+        key["eval_fraction"] = cfg.eval_fraction
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -146,6 +158,8 @@ class ResumePoint:
     epoch_step: int
     global_step: int    # optimizer steps done
     bad_steps: int      # consecutive skipped steps so far
+    saved_world_size: int = 1  # ranks that wrote the checkpoint (their RNG files exist)
+    universal: bool = False    # written at another layout: loaded from its universal form
 
 
 def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout) -> ResumePoint | None:
@@ -162,17 +176,34 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout
     where = f"--resume {tag_dir}"
     if state["plan_fingerprint"] != plan_fingerprint(cfg, data_fingerprint):
         raise InputError(f"{where}: the checkpoint was written for other data or plan settings (dataset, tokenizer, "
-                         "--max-length, --seed, --global-batch-pairs/--tokens-per-step, --drop-last differ); resume "
+                         "--max-length, --seed, --global-batch-pairs/--tokens-per-step, --drop-last, --eval-fraction "
+                         "differ); resume "
                          "with the run's own settings")
-    if state["layout"] != layout.as_dict():
+    new_layout = state["layout"] != layout.as_dict()
+    if new_layout and not cfg.allow_new_layout:
         raise InputError(f"{where}: written by {describe_sizes(state['layout'])}, this run is "
-                         f"{layout.describe()}; DeepSpeed ZeRO shards load only into the same layout")
+                         f"{layout.describe()}; DeepSpeed ZeRO shards load only into the same layout (pass "
+                         "--allow-new-layout to load it at this one through DeepSpeed's universal format)")
+    lora = LoraSettings.record(cfg)
+    if state.get("lora") != lora:
+        raise InputError(f"{where}: written with {describe_training(state.get('lora'))}, this run trains "
+                         f"{describe_training(lora)}; resume with the run's own --lora-* settings")
     if state["zero_stage"] != layout.zero_stage or state["dtype"] != cfg.dtype:
         raise InputError(f"{where}: written with ZeRO stage {state['zero_stage']} and --dtype {state['dtype']}, this "
                          f"run uses stage {layout.zero_stage} and --dtype {cfg.dtype}")
+    if new_layout:
+        check_convertible(tag_dir, state["zero_stage"])
     position = state["position"]
     return ResumePoint(tag_dir, position["epoch"], position["epoch_step"], position["global_step"],
-                       state["bad_steps"])
+                       state["bad_steps"], state["layout"]["world_size"], universal=new_layout)
+
+
+def describe_training(lora: dict | None) -> str:
+    """What a run trains, from a checkpoint's ``lora`` record (None: every weight)."""
+    if lora is None:
+        return "every weight (no LoRA)"
+    return (f"LoRA r={lora['r']} alpha={lora['alpha']:g} dropout={lora['dropout']:g} on "
+            f"{lora['target_modules']}")
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -189,6 +220,15 @@ def rng_state() -> dict:
     return state
 
 
+def restore_rng(point: ResumePoint, rank: int, seed: int) -> None:
+    """This rank's saved RNG streams, or, for a rank the checkpoint's layout did not have, fresh ones from (seed,
+    step, rank)."""
+    if rank < point.saved_world_size:
+        set_rng_state(torch.load(point.tag_dir / f"rng_rank{rank}.pt", weights_only=True))
+    else:
+        seed_new_rank(seed, point.global_step, rank)
+
+
 def set_rng_state(state: dict) -> None:
     version, internal, py_gauss = state["python"]
     random.setstate((version, tuple(internal), py_gauss))
@@ -201,13 +241,15 @@ def set_rng_state(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- saving
 def write_latest(save_dir: Path, tag: str) -> None:
-    """Points ``latest`` at ``tag`` atomically: a reader sees the old tag or the new one, never a torn file."""
-    tmp = save_dir / f".{LATEST}.tmp"
-    with open(tmp, "w") as handle:
-        handle.write(tag)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, save_dir / LATEST)
+    """Points ``latest`` at ``tag`` atomically and durably: a reader sees the old tag or the new one, never a torn
+    file, and after a power loss the one it saw."""
+    atomic_write(save_dir / LATEST, lambda temporary: Path(temporary).write_text(tag))
+
+
+def files_of_rank(tag_dir: Path, rank: int) -> list[Path]:
+    """The files rank ``rank`` writes into a checkpoint: its RNG file and its ZeRO shards (named by partition rank,
+    which is the global rank when ZeRO partitions over the whole world, as ZeRO-3 here does)."""
+    return [tag_dir / f"rng_rank{rank}.pt", *tag_dir.glob(f"*zero_pp_rank_{rank}_*")]
 
 
 def _tag_step(path: Path) -> int | None:
@@ -264,19 +306,27 @@ class Checkpointer:
             "zero_stage": self.layout.zero_stage,
             "dtype": self.cfg.dtype,
             "output_dir": str(Path(self.cfg.output_dir).resolve()),
+            "lora": LoraSettings.record(self.cfg),  # its adapter config is in hf/ too
         }
         torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
         if rank == 0:
             engine.module.config.save_pretrained(tag_dir / HF_FOLDER)
+            if self.cfg.lora_r:
+                save_adapter_config(engine, tag_dir / HF_FOLDER)  # export rebuilds the adapters from it
             self.run.setup.tokenizer.save_pretrained(tag_dir / HF_FOLDER)
             (tag_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         engine.save_checkpoint(str(self.save_dir), tag=tag, client_state={CLIENT_STATE_KEY: state},
                                save_latest=False)  # ends with a barrier: every rank's files are written
+        for path in files_of_rank(tag_dir, rank):
+            fsync_tree(path)  # by the rank that wrote it: on a shared file system only its node holds the dirty pages
+        dist.barrier()
         if rank == 0:
             missing = missing_files(tag_dir, self.layout.world_size, self.layout.zero_stage)
             if missing:
                 raise RuntimeError(f"checkpoint {tag_dir} is incomplete after saving (missing {', '.join(missing)}); "
                                    f"'{LATEST}' still names the previous one")
+            fsync_tree(tag_dir)  # our state, hf/, and (on one node) every rank's files
+            fsync_dir(self.save_dir)  # the tag folder's own entry, before 'latest' names it
             write_latest(self.save_dir, tag)
             if self.cfg.save_total_limit:
                 prune(self.save_dir, self.cfg.save_total_limit, tag)
@@ -284,14 +334,21 @@ class Checkpointer:
         return tag_dir
 
     def restore(self, engine, point: ResumePoint) -> None:
-        """Loads the DeepSpeed state (weights, optimizer, LR schedule, step counters) and this rank's RNG."""
-        load_path, client_state = engine.load_checkpoint(str(point.tag_dir.parent), tag=point.tag_dir.name,
-                                                         load_optimizer_states=True, load_lr_scheduler_states=True)
+        """Loads the DeepSpeed state (weights, optimizer, LR schedule, step counters) and this rank's RNG.
+
+        At a new layout the engine (configured with ``load_universal``) reads the universal form that phase one made.
+        """
+        load_dir, tag = (point.tag_dir, UNIVERSAL_FOLDER) if point.universal else (point.tag_dir.parent,
+                                                                                   point.tag_dir.name)
+        if not (load_dir / tag).is_dir():
+            raise RuntimeError(f"checkpoint {load_dir / tag} is missing (phase one on rank 0 converts it)")
+        load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                         load_lr_scheduler_states=True)
         if load_path is None or CLIENT_STATE_KEY not in (client_state or {}):
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint {point.tag_dir}")
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {load_dir / tag}")
         if client_state[CLIENT_STATE_KEY]["position"]["global_step"] != point.global_step:
             raise RuntimeError(f"checkpoint {point.tag_dir}: DeepSpeed's client_state disagrees with {STATE_FILE}")
-        set_rng_state(torch.load(point.tag_dir / f"rng_rank{self.layout.rank}.pt", weights_only=True))
+        restore_rng(point, self.layout.rank, self.cfg.seed)
         self.saved_step = point.global_step
 
 

@@ -26,6 +26,9 @@ from transformers.integrations import HfDeepSpeedConfig
 from ..config import REPO_DS_CONFIGS, TrainConfig
 from ..errors import InputError, first_line
 from ..model.build import TORCH_DTYPES, build_model, load_model_config
+from ..model.lora import LoraSettings, add_adapters
+from ..model.param_groups import weight_decay_groups
+from .schedule import DEEPSPEED_SCHEDULERS, Schedule, start_schedule
 
 # Keys ds_packdpo owns: each must be "auto" (or the one value the run implies).
 _PINNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -87,9 +90,38 @@ def _replace_auto(node, values: dict, path: str, source: str):
     return node
 
 
+def _scheduler_section(given, schedule: Schedule, source: str):
+    """The run's "scheduler" section (``schedule``'s), checked against the one the config gives: absent, "auto", or
+    the same type with every parameter "auto" or equal to the run's."""
+    ours = schedule.deepspeed_section()
+    if given is None or given == "auto":
+        return ours
+    contradiction = (f"contradicts --lr-scheduler {schedule.kind} ({ours['type'] if ours else 'no scheduler'}, "
+                     f"filled from --lr, --warmup-steps/--warmup-ratio, --min-lr-ratio and the plan); set it to "
+                     f"\"auto\" or remove the scheduler section")
+    if not isinstance(given, dict):
+        raise InputError(f"--ds-config {source}: 'scheduler': {given!r} {contradiction}")
+    kind = given.get("type", "auto")
+    if ours is None:  # a constant LR without warm-up: no scheduler, the optimizer's lr throughout
+        if kind not in ("auto", DEEPSPEED_SCHEDULERS["constant"]):
+            raise InputError(f"--ds-config {source}: 'scheduler.type': {kind!r} {contradiction}")
+        return None
+    if kind not in ("auto", ours["type"]):
+        raise InputError(f"--ds-config {source}: 'scheduler.type': {kind!r} {contradiction}")
+    params = given.get("params", "auto")
+    if params != "auto":
+        if not isinstance(params, dict):
+            raise InputError(f"--ds-config {source}: 'scheduler.params': {params!r} {contradiction}")
+        for key, value in params.items():
+            if value != "auto" and ours["params"].get(key, object()) != value:
+                raise InputError(f"--ds-config {source}: 'scheduler.params.{key}': {value!r} {contradiction}")
+    return ours
+
+
 def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int, hidden_size: int,
-                   device_type: str) -> dict:
-    """The run's DeepSpeed config: "auto" values filled from the run settings, batch keys checked."""
+                   device_type: str, schedule: Schedule) -> dict:
+    """The run's DeepSpeed config: "auto" values filled from the run settings, batch keys checked, the scheduler
+    section that runs ``schedule``."""
     _check_pinned(raw, source, dp_world_size)
     bf16 = cfg.dtype == "bf16"
     if raw.get("bf16", {}).get("enabled") not in (None, "auto", bf16):
@@ -101,8 +133,6 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
         "gradient_clipping": cfg.max_grad_norm,
         "bf16.enabled": bf16,
         "lr": cfg.lr,
-        "warmup_max_lr": cfg.lr,
-        "warmup_num_steps": max(1, cfg.warmup_steps),  # DeepSpeed refuses 0; 1 step at lr is no warm-up
         "weight_decay": cfg.weight_decay,
         "reduce_bucket_size": hidden_size * hidden_size,
         "allgather_bucket_size": max(hidden_size * hidden_size, 1_000_000),
@@ -111,9 +141,10 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
         "output_path": cfg.output_dir,  # monitors (csv, tensorboard) write under the run's folder
     }
     raw = copy.deepcopy(raw)
-    if cfg.warmup_steps == 0 and raw.get("scheduler", {}).get("type") == "WarmupLR":
-        raw.pop("scheduler")  # no warm-up: a constant LR (DeepSpeed's WarmupLR would start at 0)
+    scheduler = _scheduler_section(raw.pop("scheduler", None), schedule, source)
     ds = _replace_auto(raw, values, "", source)
+    if scheduler is not None:
+        ds["scheduler"] = scheduler
     for key, value in (("train_batch_size", dp_world_size), ("train_micro_batch_size_per_gpu", 1),
                        ("gradient_accumulation_steps", 1)):
         ds.setdefault(key, value)
@@ -192,28 +223,72 @@ def load_model(cfg: TrainConfig, model_path: str | None, vocab_size: int, attn: 
     return model
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """Activation checkpointing of every decoder layer: transformers' own, non-reentrant.
+
+    transformers 5 checkpoints each decoder layer's ``forward`` (not its ``__call__``), so
+    the hooks of the layer stay outside and those of its submodules run again in the
+    recomputation: ZeRO-3 gathers each projection's partitioned weight again there, as it
+    does for the backward.  Non-reentrant checkpointing recomputes inside autograd's own
+    backward, so the lean log-probs' custom autograd function, the sequence-parallel
+    all-reduce of the log-probs and Ulysses' all-to-alls (recomputed in the same layer
+    order on every rank of the group) run as without it.  DeepSpeed's
+    ``deepspeed.checkpointing`` is the reentrant Megatron kind: it needs the model's
+    layers wrapped by hand and an mpu with model-parallel RNG tracking, and gives nothing
+    here that transformers' does not.  A layer checkpoints only in training mode, hence
+    ``train()``.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers before the rename (pyproject allows >= 4.56); the same checkpointing
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+
+
 def build_policy(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
-    """The trainable policy engine.
+    """The trainable policy engine: every weight, or (--lora-r) LoRA adapters on the frozen base; its LR scheduler
+    at the run's first iteration (a resume then loads its own).
 
     ``mpu`` (sequence parallelism) tells DeepSpeed the sequence-parallel groups: ZeRO then
     shards over all ranks and averages gradients over the data-parallel replicas only.
+    Adapters are added after the base is built (and, under ZeRO-3, partitioned); the
+    engine partitions them as it starts (model/lora.py).  Only parameters that require
+    gradients go to the optimizer, in two groups: no weight decay on biases, norm weights
+    and embeddings.
     """
     model = load_model(cfg, cfg.model, vocab_size, attn, ds_config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    policy, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    lora = LoraSettings.of(cfg)
+    if lora is not None:
+        model = add_adapters(model, lora, seed=cfg.seed, base=str(Path(cfg.model).resolve()) if cfg.model else None)
+    groups = weight_decay_groups(model, cfg.weight_decay)
+    policy, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu)
+    start_schedule(policy)
     return policy
 
 
 def build_reference(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
     """The frozen reference (``--ref-model`` or the policy's own weights): a ZeRO-3 engine, or a plain module."""
-    ref_ds = reference_ds_config(ds_config, cfg.ref_offload)
-    model = load_model(cfg, cfg.ref_model or cfg.model, vocab_size, attn, ref_ds)
+    return _frozen(cfg, cfg.ref_model or cfg.model, reference_ds_config(ds_config, cfg.ref_offload), vocab_size, attn,
+                   mpu)
+
+
+def build_evaluated_policy(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
+    """``eval``: the policy (--model) forward only, built like the reference (no optimizer, no gradients)."""
+    return _frozen(cfg, cfg.model, reference_ds_config(ds_config, offload=False), vocab_size, attn, mpu)
+
+
+def _frozen(cfg: TrainConfig, model_path: str | None, ref_ds: dict, vocab_size: int, attn: str, mpu):
+    """A forward-only model in eval mode under ``ref_ds`` (a reference_ds_config): a ZeRO-3 engine, or a plain module."""
+    model = load_model(cfg, model_path, vocab_size, attn, ref_ds)
     model.eval()
     model.requires_grad_(False)
     if zero_stage(ref_ds) == 3:
-        reference, _, _, _ = deepspeed.initialize(model=model, config=ref_ds, mpu=mpu)
-        reference.eval()
-        return reference
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ref_ds, mpu=mpu)
+        engine.eval()
+        return engine
     # ZeRO 0-2 shard only optimizer state and gradients; a frozen model has neither, so it stays whole.
     return model.to(get_accelerator().current_device_name())
 

@@ -13,6 +13,7 @@ Pure Python (no torch): ``pack-stats`` plans with it too.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 from ..errors import InputError
@@ -33,6 +34,18 @@ def _launch_value(keys: tuple[str, ...], default: int) -> int:
 def launch_world_size() -> int:
     """World size as the launcher announced it (1 outside a launcher)."""
     return _launch_value(WORLD_SIZE_ENV, 1)
+
+
+def launched() -> bool:
+    """True under a launcher (deepspeed, torchrun, mpirun): it announced a world size; False for a lone process."""
+    return any(os.environ.get(key) for key in WORLD_SIZE_ENV)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it), so two runs on one machine never collide."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def describe_sizes(sizes: dict) -> str:

@@ -2,7 +2,8 @@
 
 Every optimizer step becomes one JSON line, flushed at once (a crash loses at most
 the step in flight), one update of the tqdm bar and one batch of DeepSpeed monitor
-events (tensorboard, csv, wandb, comet: whichever the DeepSpeed config enables).
+events (tensorboard, csv, wandb, comet: whichever the DeepSpeed config enables).  A step
+after which the run evaluated carries the ``eval_*`` figures in the same record.
 On resume the metrics file is continued after dropping the records of the steps the
 resume redoes.  Other ranks write nothing.
 """
@@ -13,18 +14,36 @@ import json
 import math
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..config import to_dict
 from .checkpoint import trim_metrics
 
 
+def add_sums(sums: dict, row_sums: dict, weight: float) -> None:
+    """Adds one row's sums (tensors) into ``sums``, in fp64 (a step's sums then do not depend on how its rows were
+    cut), times ``weight`` (0 on the ranks of a sequence-parallel group that do not count metrics)."""
+    for key, value in row_sums.items():
+        sums[key] = sums.get(key, 0.0) + value.detach().double() * weight
+
+
+def sum_over_ranks(sums: dict, device) -> dict[str, float]:
+    """The sums of every rank, in one all-reduce for all keys (every rank passes the same keys)."""
+    keys = sorted(sums)
+    packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
+    dist.all_reduce(packed)
+    return dict(zip(keys, packed.tolist()))
+
+
 class MetricsWriter:
-    def __init__(self, run, total_steps: int, done_steps: int, resumed: bool):
+    def __init__(self, run, total_steps: int, done_steps: int, resumed: bool, plan_summary: dict):
         cfg = run.setup.cfg
         self.policy = run.policy
         self.enabled = run.setup.layout.rank == 0
         self.file = None
+        self.eval_figures: dict[str, str] = {}  # the latest evaluation's, shown on the bar until the next one
         self.bar = tqdm(total=total_steps, initial=min(done_steps, total_steps), desc="dpo", unit="step",
                         dynamic_ncols=True, disable=not (self.enabled and cfg.progress))
         if not self.enabled:
@@ -33,6 +52,7 @@ class MetricsWriter:
         out.mkdir(parents=True, exist_ok=True)
         (out / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
         (out / "data_summary.json").write_text(json.dumps(run.setup.prepared.summary, indent=2) + "\n")
+        (out / "plan_summary.json").write_text(json.dumps(plan_summary, indent=2) + "\n")
         path = Path(cfg.resolved_metrics_out)
         path.parent.mkdir(parents=True, exist_ok=True)
         if resumed:
@@ -45,8 +65,11 @@ class MetricsWriter:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         self._monitor(record)
+        if "eval_loss" in record:
+            self.eval_figures = {"eval_loss": f"{record['eval_loss']:.4f}",
+                                 "eval_acc": f"{record['eval_rewards/accuracies']:.2f}"}
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
-                             tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+                             tok_s=f"{record['tokens_per_s']:.0f}", **self.eval_figures, refresh=False)
         self.bar.update(1)
 
     def _monitor(self, record: dict) -> None:

@@ -7,15 +7,18 @@ that error into one line naming what to do (exit code 5).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import deepspeed
 import torch.distributed as dist
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from ..errors import run_guarded
 from .build_lock import remove_stale_locks
-from .layout import ParallelLayout
+from .layout import ParallelLayout, free_port, launched
 
 # Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -27,6 +30,10 @@ def init_process_group(layout: ParallelLayout, collective_timeout_s: float) -> N
     if not dist.is_initialized():
         remove_stale_locks()  # init_distributed JIT-builds DeepSpeed's CPU comm extension: a stale lock hangs it
         if not all(key in os.environ for key in RENDEZVOUS_ENV):
+            if not launched() and "MASTER_PORT" not in os.environ:
+                # A lone process (check, eval or a one-rank run without a launcher) is its own rendezvous: any free
+                # port, not DeepSpeed's default 29500, which another job on this machine may hold (seen: EADDRINUSE).
+                os.environ["MASTER_PORT"] = str(free_port())
             # DeepSpeed's MPI discovery (what init_distributed(auto_mpi_discovery=True) runs) sets MASTER_PORT to its
             # argument, not to the environment's, and MASTER_ADDR to rank 0's first `hostname -I` address: run it
             # here with the job's port, then put back an address the job gave (launch/mpirun.sh exports both).
@@ -56,3 +63,18 @@ def close_process_group() -> None:
     """
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_rank_job(work: Callable[[], dict | None]) -> int:
+    """One rank of a command that reports JSON (precompute-ref, eval): ``work()``, the process group closed, then
+    the result printed (rank 0's; the other ranks return None); bad input and failures as :func:`run_guarded` ends
+    them."""
+
+    def job() -> int:
+        result = work()
+        close_process_group()
+        if result is not None:
+            print(json.dumps(result, indent=2))
+        return 0
+
+    return run_guarded(job)

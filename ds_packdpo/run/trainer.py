@@ -10,6 +10,7 @@ accumulation boundary is set by hand because K changes from step to step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -17,16 +18,19 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..data.plan import steps_per_epoch
-from ..data.run_plan import run_plan
+from ..data.run_plan import plan_figures, run_plan
 from ..errors import PeerFailureError, RunAbortedError, TooManyBadStepsError, first_line
 from ..model.losses import global_normalized_loss, metric_means, metric_sums, pair_losses
 from . import faults
-from .assemble import Run, RunSetup, assemble
+from .assemble import Run, RunSetup, prepare, start
 from .checkpoint import Checkpointer, ResumePoint, tag_name
+from .evaluation import due as evaluation_due
+from .evaluation import evaluate
 from .export import export_checkpoint
-from .metrics import MetricsWriter
+from .layout import describe_sizes
+from .metrics import MetricsWriter, add_sums, sum_over_ranks
 from .process_group import close_process_group, is_collective_failure
+from .schedule import Schedule
 from .timing import StepTimer, throughput_meter
 
 STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens", "prompt_tokens_shared")
@@ -85,18 +89,14 @@ class DPOTrainer:
             row_sums["real_tokens"] = torch.tensor(float(batch.real_tokens), device=self.device)
             row_sums["computed_tokens"] = torch.tensor(float(batch.computed_tokens), device=self.device)
             row_sums["prompt_tokens_shared"] = torch.tensor(float(batch.prompt_tokens_shared), device=self.device)
-            for key, value in row_sums.items():
-                sums[key] = sums.get(key, 0.0) + value.detach().float() * counted
-        keys = sorted(sums)
-        packed = torch.stack([torch.as_tensor(sums[k], device=self.device).reshape(()) for k in keys])
-        dist.all_reduce(packed)  # one collective per step for every metric
-        totals = dict(zip(keys, packed.tolist()))
+            add_sums(sums, row_sums, counted)
+        totals = sum_over_ranks(sums, self.device)  # one collective per step for every metric
         metrics = metric_means({k: v for k, v in totals.items() if k not in STEP_SUM_KEYS})
         grad_norm = self.policy.get_global_grad_norm()
         metrics.update({
             "loss": totals["loss_sum"] / max(totals["pairs"], 1.0),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "lr": float(lr),
+            "learning_rate": float(lr),
             "skipped": not self.policy.was_step_applied(),
             "pairs": int(round(totals["pairs"])),
             "tokens": int(round(totals["real_tokens"])),
@@ -109,16 +109,36 @@ class DPOTrainer:
         return metrics
 
 
-def total_steps(setup: RunSetup) -> int:
-    """Optimizer steps of the run: every epoch's steps, cut at --max-steps."""
-    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-    steps = sum(steps_per_epoch(*lengths, setup.plan_cfg, epoch=e) for e in range(setup.cfg.epochs))
-    return min(steps, setup.cfg.max_steps) if setup.cfg.max_steps else steps
+def plan_summary(setup: RunSetup) -> dict:
+    """What the run will do, known before its first step: its pairs, steps, forwards per rank, lock-step utilization,
+    held-out pairs and LR schedule (the first line a run prints, and OUTPUT_DIR/plan_summary.json)."""
+    cfg, schedule = setup.cfg, setup.schedule
+    figures = plan_figures(setup.plan_cfg, setup.prepared, cfg.epochs, schedule.total_steps)
+    held_out = setup.held_out.pairs.chosen_lengths.size if setup.held_out else 0
+    return {"pairs": figures["pairs"], "train_pairs": int(setup.prepared.chosen_lengths.size),
+            "steps": schedule.total_steps, "layout": setup.layout.as_dict(), **figures,
+            "eval_pairs": held_out, "eval_steps": cfg.eval_steps if held_out else None,
+            "schedule": dataclasses.asdict(schedule), "deepspeed_scheduler": setup.ds_config.get("scheduler")}
+
+
+def describe_plan(summary: dict) -> str:
+    """The plan summary in one line."""
+    rows = summary["rows_per_rank"]
+    rows = f"{rows['min']}" if rows["min"] == rows["max"] else f"{rows['min']}-{rows['max']}"
+    if summary["eval_pairs"]:
+        every = f"every {summary['eval_steps']} steps and " if summary["eval_steps"] else ""
+        held_out = f"; eval on {summary['eval_pairs']} held-out pairs {every}at the end"
+    else:
+        held_out = "; no evaluation"
+    return (f"plan: {summary['pairs']} pairs in {summary['steps']} steps ({summary['train_pairs']} training pairs), "
+            f"{rows} rows per rank on {describe_sizes(summary['layout'])}, lock-step utilization "
+            f"{summary['lockstep_utilization']:.3f}{held_out}; schedule: {Schedule(**summary['schedule']).describe()}")
 
 
 def export_on_end(run: Run, checkpointer: Checkpointer, global_step: int, position: tuple[int, int],
                   bad_steps: int) -> None:
-    """--export-on-end: OUTPUT_DIR/hf_model from the final checkpoint's fp32 master weights, cast to --dtype.
+    """--export-on-end: OUTPUT_DIR/hf_model from the final checkpoint's fp32 master weights, cast to --dtype, in
+    safetensors files of at most --max-shard-size.
 
     Going through a checkpoint (saved here unless the last step was saved anyway)
     reuses the offline export and is exact in any dtype; gathering the engine's
@@ -131,11 +151,12 @@ def export_on_end(run: Run, checkpointer: Checkpointer, global_step: int, positi
     if run.setup.layout.rank == 0:
         # a resumed run may replace the export of its own earlier attempt
         export_checkpoint(checkpointer.save_dir / tag_name(global_step), Path(cfg.output_dir) / "hf_model",
-                          cfg.dtype, overwrite=cfg.overwrite or run.setup.resume is not None)
+                          cfg.dtype, overwrite=cfg.overwrite or run.setup.resume is not None,
+                          max_shard_size=cfg.max_shard_size)
     # no barrier after it: the export may outlast --collective-timeout-s, and the other ranks have nothing left
 
 
-def train_loop(run: Run) -> list[dict]:
+def train_loop(run: Run, summary: dict) -> list[dict]:
     """The steps of an assembled training run on this rank; returns the per-step metrics (rank 0 also writes them)."""
     setup, cfg = run.setup, run.setup.cfg
     trainer = DPOTrainer(run)
@@ -143,10 +164,10 @@ def train_loop(run: Run) -> list[dict]:
     resume = setup.resume
     if resume is not None:
         checkpointer.restore(run.policy, resume)
-    steps = total_steps(setup)
+    steps = setup.schedule.total_steps
     start = resume or ResumePoint(None, epoch=0, epoch_step=0, global_step=0, bad_steps=0)
     meter = throughput_meter(run) if setup.device_type == "cuda" else None
-    writer = MetricsWriter(run, steps, start.global_step, resumed=resume is not None)
+    writer = MetricsWriter(run, steps, start.global_step, resumed=resume is not None, plan_summary=summary)
     history = []
     timer = StepTimer()
     global_step, bad_steps = start.global_step, start.bad_steps
@@ -168,6 +189,8 @@ def train_loop(run: Run) -> list[dict]:
                       "pairs_per_s": metrics["pairs"] / seconds}
             if meter is not None:
                 record.update(meter.figures(meter.step_flops(plan), seconds))
+            if setup.held_out is not None and evaluation_due(cfg, global_step, last=global_step >= steps):
+                record.update(evaluate(run))
             history.append(record)
             if writer.enabled and metrics["skipped"]:
                 logger.warning(f"step {global_step} skipped: non-finite loss or gradient "
@@ -193,7 +216,12 @@ def train_loop(run: Run) -> list[dict]:
 
 
 def train(cfg: TrainConfig) -> list[dict]:
-    """The whole job on this rank."""
-    history = train_loop(assemble(cfg, "train"))
+    """The whole job on this rank.  Rank 0 prints the plan summary first, before the process group and the engines
+    start."""
+    setup = prepare(cfg, "train")
+    summary = plan_summary(setup) if setup.layout.rank == 0 else {}
+    if summary:
+        print(describe_plan(summary), flush=True)
+    history = train_loop(start(setup), summary)
     close_process_group()
     return history

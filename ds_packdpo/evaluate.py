@@ -1,0 +1,34 @@
+"""One rank of ``ds-packdpo eval``: a trained (or exported) policy evaluated alone, with no training.
+
+``deepspeed ... --module ds_packdpo.evaluate --model TRAINED --ref-model BASE --dataset D
+[training flags]`` evaluates the pairs of D (or its ``--eval-fraction`` held-out part, the
+same pairs a training run with that flag held out, or ``--eval-dataset``) exactly as
+training evaluates them: planned on the ranks by the training planner, packed, under
+ZeRO-3 and sequence parallelism when asked, the policy and the reference forward only.
+Rank 0 prints the ``eval_*`` figures as one JSON object.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .config import parse_train_args
+from .run.assemble import prepare, start
+from .run.evaluation import evaluate
+from .run.process_group import run_rank_job
+
+
+def evaluate_model(cfg) -> dict | None:
+    """The whole job on this rank; rank 0 returns the figures (other ranks: None)."""
+    run = start(prepare(cfg, "eval"))
+    figures = evaluate(run)
+    run.close()
+    return figures if run.setup.layout.rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_rank_job(lambda: evaluate_model(parse_train_args(argv, prog="ds_packdpo.evaluate")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Held-out evaluation: the DPO figures of pairs the run never trains on, with no gradients.
+
+The held-out pairs (``--eval-fraction`` of --dataset, ``--eval-dataset``, or --dataset
+itself for ``ds-packdpo eval``) are planned once, in phase one, by the training planner:
+one step of rows within the row budget, near-equal on every rank, the same number of
+rows on every rank (ZeRO-3 gathers every layer collectively, so a rank with one forward
+fewer would hang the others).  Evaluating runs those rows through the run's own
+:meth:`Run.forward_logps` and :meth:`Run.reference_logps` on a view of the run whose data
+are the held-out pairs, so packing or padding, sequence parallelism, a precomputed
+reference and whatever the run does to the reference apply unchanged.  The figures are
+TRL's with the ``eval_`` prefix, summed over every rank in fp64 and divided by the
+held-out pair count: they do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..data.plan import StepPlan
+from ..data.prepare import PreparedPairs
+from ..data.run_plan import held_out_plan
+from ..model.guard import evaluating
+from ..model.losses import metric_means, metric_sums, pair_losses
+from .metrics import add_sums, sum_over_ranks
+from .reference import PrecomputedReference, reference_fingerprint
+
+PREFIX = "eval_"
+
+
+@dataclass
+class HeldOut:
+    pairs: PreparedPairs
+    plan: StepPlan  # every held-out pair, laid out on the run's data-parallel ranks
+    reference: PrecomputedReference | None  # the --ref-logps values of these pairs, in their order
+
+
+def held_out_set(setup, pairs: PreparedPairs) -> HeldOut:
+    """Phase one: the held-out pairs planned for the run's layout (an assemble.RunSetup), and their precomputed
+    reference log-probs when the run has a --ref-logps file (InputError when it lacks one of them)."""
+    plan = held_out_plan(setup.plan_cfg, pairs)
+    reference = None
+    if setup.precomputed is not None:
+        reference = PrecomputedReference.load(setup.cfg.ref_logps, reference_fingerprint(setup),
+                                              pairs.dataset["pair_id"])
+    return HeldOut(pairs, plan, reference)
+
+
+def due(cfg, global_step: int, last: bool) -> bool:
+    """Evaluate after this step: every --eval-steps, and after the last step of the run."""
+    return last or bool(cfg.eval_steps) and global_step % cfg.eval_steps == 0
+
+
+def evaluate(run) -> dict:
+    """One pass over the held-out pairs on every rank (an assemble.Run); every rank returns the same figures."""
+    held = run.setup.held_out
+    view = dataclasses.replace(run, setup=dataclasses.replace(run.setup, prepared=held.pairs),
+                               reference=held.reference if held.reference is not None else run.reference)
+    layout = run.setup.layout
+    counted = float(layout.counts_metrics)
+    sums: dict = {}
+    started = time.perf_counter()
+    with torch.no_grad(), evaluating(run.policy):
+        for row in held.plan.ranks[layout.dp_rank]:
+            batch = view.row_batch(row)
+            reference = view.reference_logps(batch)
+            policy = view.forward_logps(view.policy, batch)
+            losses, per_pair = pair_losses(policy, reference, run.setup.loss_cfg)
+            add_sums(sums, {**metric_sums(per_pair, policy), "loss_sum": losses.sum()}, counted)
+    totals = sum_over_ranks(sums, run.device)
+    figures = {"loss": totals.pop("loss_sum") / max(totals["pairs"], 1.0), **metric_means(totals),
+               "pairs": int(round(totals["pairs"])), "time_s": time.perf_counter() - started}
+    return {PREFIX + name: value for name, value in figures.items()}

@@ -1,0 +1,80 @@
+"""Resuming at another layout: DeepSpeed's universal checkpoint, made once and kept in the checkpoint's folder.
+
+A ZeRO checkpoint holds, per rank, that rank's slice of the flattened fp32 weights and
+optimizer moments, cut for the world it was written by; it loads only into the same
+data-parallel layout.  DeepSpeed's ``ds_to_universal`` rewrites it per parameter
+(``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`` plus the model-states files, which carry the
+step counters, the LR schedule and our client state), and an engine whose config says
+``"checkpoint": {"load_universal": true}`` cuts those into its own partitions at any world
+size (deepspeed 0.19.8: ZeRO-3 supported, CPU/gloo included).  The conversion reads every
+rank's shard, so it runs in one process before any process group: the front
+``ds-packdpo train`` command before it launches, or global rank 0 of a launched job (the
+other ranks wait in the process group's start, up to --collective-timeout-s).  Its result
+``global_stepN/universal`` is written beside, synced and renamed into place, so a
+conversion that dies leaves nothing a later resume would take for complete.
+
+RNG streams: a rank that also existed in the checkpoint's layout continues its saved
+stream; a rank the checkpoint did not have is seeded from (--seed, global step, rank).
+"""
+
+from __future__ import annotations
+
+import shutil
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+from transformers import set_seed
+
+from ..errors import InputError
+from ..files import atomic_folder
+
+UNIVERSAL_FOLDER = "universal"
+
+
+def universal_dir(tag_dir: Path) -> Path:
+    return Path(tag_dir) / UNIVERSAL_FOLDER
+
+
+def check_convertible(tag_dir: Path, zero_stage: int) -> None:
+    """Phase one: refuses what this conversion does not cover, before any work."""
+    if zero_stage != 3:
+        # ZeRO 1-2 conversion needs model metadata ("universal_checkpoint_info") that Hugging Face models lack
+        raise InputError(f"--allow-new-layout: {tag_dir} was written with ZeRO stage {zero_stage}; loading at another "
+                         "layout is supported for ZeRO-3 checkpoints")
+
+
+def ensure_universal(tag_dir: Path) -> Path:
+    """The universal form of the checkpoint ``tag_dir``: converted now, unless an earlier resume did it."""
+    target = universal_dir(tag_dir)
+    if target.is_dir():
+        return target
+    for stale in tag_dir.glob(f".{UNIVERSAL_FOLDER}.*.tmp"):
+        shutil.rmtree(stale)  # a conversion that died (one process converts: rank 0, or the front command)
+
+    def convert(staging: Path) -> None:
+        # One worker each: DeepSpeed's worker pools fork this process, whose OpenMP threads may already run.
+        ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(staging), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=False))
+        # it also points a 'latest_universal' file beside its output at it; we load by path
+        (tag_dir / "latest_universal").unlink(missing_ok=True)
+
+    atomic_folder(target, convert)
+    return target
+
+
+def with_universal_loading(ds_config: dict) -> dict:
+    """The DeepSpeed config that makes ``engine.load_checkpoint`` read a universal checkpoint."""
+    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+
+
+def new_rank_seed(seed: int, global_step: int, rank: int) -> int:
+    """The RNG seed of a rank the checkpoint's layout did not have: (--seed, global step, rank) alone decide it."""
+    return int(np.random.SeedSequence([seed, global_step, rank]).generate_state(1)[0])
+
+
+def seed_new_rank(seed: int, global_step: int, rank: int) -> None:
+    """Seeds Python's, NumPy's and torch's generators (every device's) of a rank new to the checkpoint."""
+    set_seed(new_rank_seed(seed, global_step, rank))

@@ -1,0 +1,102 @@
+"""One rank of the activation-checkpointing and parameter-group check (launched by tests/test_scale.py).
+
+``deepspeed --num_gpus 2 tests/checkpointing_check.py OUT.json [train flags]``: the run is
+assembled as training assembles it (``--gradient-checkpointing`` among the flags, ZeRO-3,
+packed rows, lean log-probs, sequence parallelism when asked).  For the first rows of step
+1 it computes the DPO loss's gradient with checkpointing on (as built) and off
+(``activation_checkpointing_disable`` on the same engine, so the weights are the same),
+assembles every parameter's full gradient from DeepSpeed's partitions and counts the
+forward calls of one decoder layer's MLP (twice per row when the layer is recomputed in
+backward).  Then one optimizer step with zero gradients shows what the optimizer DeepSpeed
+built does with weight decay alone: AdamW scales each decayed weight by (1 - lr x decay)
+and leaves the rest.  Rank 0 writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from deepspeed import zero
+from deepspeed.utils import safe_get_full_grad
+
+from ds_packdpo.config import parse_train_args
+from ds_packdpo.data.plan import iter_plan
+from ds_packdpo.model.losses import global_normalized_loss, pair_losses
+from ds_packdpo.model.param_groups import no_decay_names
+from ds_packdpo.run.assemble import prepare, start
+
+ROWS = 2
+
+
+def step_gradients(run, rows, plan) -> list[torch.Tensor]:
+    """The full gradient of every parameter after the rows' DPO losses (one optimizer step's worth, not applied)."""
+    policy = run.policy
+    for i, row in enumerate(rows):
+        batch = run.row_batch(row)
+        reference = run.reference_logps(batch)
+        policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
+        losses, _ = pair_losses(run.forward_logps(policy, batch), reference, run.setup.loss_cfg)
+        policy.backward(global_normalized_loss(losses, plan.num_pairs, run.setup.layout.gradient_divisor),
+                        scale_wrt_gas=False)
+    grads = [safe_get_full_grad(p).detach().clone() for p in policy.module.parameters()]
+    policy.optimizer.zero_grad()
+    return grads
+
+
+def full_parameters(module) -> dict[str, torch.Tensor]:
+    params = dict(module.named_parameters())
+    with zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().clone() for name, p in params.items()}
+
+
+def main(out_path: str, flags: list[str]) -> None:
+    setup = prepare(parse_train_args(flags), "train")
+    run = start(setup)
+    policy, layout = run.policy, setup.layout
+    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
+    plan = next(iter_plan(*lengths, setup.plan_cfg, 1))
+    rows = plan.ranks[layout.dp_rank][:ROWS]
+    assert len({len(r[:ROWS]) for r in plan.ranks}) == 1  # the same number of forwards on every rank
+
+    calls = [0]
+    # a pre-hook: the recomputation stops (early) inside the MLP, once the last saved tensor it needs exists
+    policy.module.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    report = {"checkpointing_enabled": policy.module.is_activation_checkpointing, "rows": len(rows)}
+    grads = {}
+    for mode in ("on", "off"):
+        calls[0] = 0
+        grads[mode] = step_gradients(run, rows, plan)
+        report[f"mlp_calls_{mode}"] = calls[0]
+        policy.module.activation_checkpointing_disable()
+    worst = max(float((a - b).abs().max()) for a, b in zip(grads["on"], grads["off"], strict=True))
+    scale = max(float(g.abs().max()) for g in grads["off"])
+    report.update(grad_max_abs_diff=worst, grad_scale=scale, grad_max_rel_diff=worst / scale)
+
+    # weight decay through DeepSpeed's optimizer: one step on zero gradients
+    report["group_weight_decay"] = [group["weight_decay"] for group in policy.optimizer.param_groups]
+    before = full_parameters(policy.module)
+    lr = policy.get_lr()[0]
+    batch = run.row_batch(rows[0])
+    policy.set_gradient_accumulation_boundary(True)
+    policy.backward(run.forward_logps(policy, batch).logps.sum() * 0.0, scale_wrt_gas=False)
+    policy.step()
+    after = full_parameters(policy.module)
+    exempt = no_decay_names(policy.module)
+    factor = 1.0 - lr * setup.cfg.weight_decay
+    report["decayed_max_rel_error"] = max(float((after[n] - before[n] * factor).abs().max() / before[n].abs().max())
+                                          for n in before if n not in exempt)
+    report["exempt_max_change"] = max(float((after[n] - before[n]).abs().max()) for n in exempt)
+    report["exempt"] = sorted(exempt)
+    run.close()
+    if layout.rank == 0:
+        with open(out_path, "w") as handle:
+            json.dump(report, handle)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    main(args[0], args[1:])
