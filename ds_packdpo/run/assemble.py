@@ -12,28 +12,30 @@ sequence-parallel set-up, so every command runs every layout it accepts the same
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..config import TrainConfig
+from ..config import TrainConfig, resolve_dtype
 from ..data.plan import PlanConfig
 from ..data.prepare import PreparedPairs
 from ..data.run_plan import checked_plan_config
 from ..data.source import prepare_run_data, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
-from ..model.attention import ULYSSES_ATTN, resolve_attn
+from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, check_model_attention, is_flash, resolve_attn
 from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
 from ..model.logps import SequenceLogps, forward_logps
 from ..model.losses import LossConfig
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
 from .engines import (build_policy, build_reference, fill_ds_config, load_ds_config, load_model, model_config,
-                      model_hidden_size, zero_stage)
+                      reference_model_config, zero_stage)
 from .layout import ParallelLayout
 from .process_group import init_process_group
 from .reference import PrecomputedReference, load_precomputed_reference
@@ -89,7 +91,11 @@ def check_output_dir(cfg: TrainConfig) -> None:
                          "--resume auto to continue the run saved there)")
 
 
-def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int) -> None:
+def model_label(cfg: TrainConfig) -> str:
+    return f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
+
+
+def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, hf_config) -> None:
     """What a sequence-parallel layout needs of the settings and the model, before any weights exist."""
     if layout.sp_size == 1:
         return
@@ -97,8 +103,28 @@ def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, v
     if not cfg.packing:
         raise InputError(f"--sequence-parallel-size {layout.sp_size} splits packed rows; it cannot be combined with "
                          f"--no-packing")
-    where = f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
-    check_model_heads(model_config(cfg, vocab_size), layout.sp_size, where)
+    check_model_heads(hf_config, layout.sp_size, model_label(cfg))
+
+
+def check_models(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int):
+    """Phase one's look at the models' configs (no weights): the backend honours every attention feature of the
+    policy and the reference (sliding windows, soft-caps, ...), the layout fits their heads; a mixture-of-experts
+    router loss is named as excluded.  Returns the policy's HF config."""
+    hf_config = model_config(cfg, vocab_size)
+    # Under sequence parallelism the model's attention is Ulysses around the local kernel: the per-sequence kernel
+    # of sdpa_varlen for sdpa too, or flash varlen.
+    kernel = SDPA_VARLEN if layout.sp_size > 1 and not is_flash(attn) else attn
+    check_model_attention(hf_config, kernel, model_label(cfg))
+    if cfg.ref_model is not None:
+        check_model_attention(reference_model_config(cfg, vocab_size), kernel, f"--ref-model {cfg.ref_model}")
+    check_layout_settings(cfg, layout, attn, hf_config)
+    if getattr(hf_config, "output_router_logits", False):
+        # DPO's loss is a sum over pairs; a router load-balancing loss is one per packed row (over all its
+        # tokens), which would make the loss depend on how pairs are packed (invariant 2).
+        warnings.warn(f"{model_label(cfg)}: the mixture-of-experts router auxiliary loss (output_router_logits, "
+                      f"router_aux_loss_coef {getattr(hf_config, 'router_aux_loss_coef', None)}) is not added to "
+                      f"the DPO loss", stacklevel=2)
+    return hf_config
 
 
 def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None) -> RunSetup:
@@ -106,12 +132,14 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
 
     ``world_size`` is the launch's when called before launching (the front command);
     under a launcher the layout comes from its environment.  ``check`` runs in one
-    process.
+    process.  ``--dtype auto`` is resolved here: the set-up's settings name the dtype
+    that runs.
     """
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
     device_type = get_accelerator().device_name()
-    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS)
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device_type))
+    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS, dtype=cfg.dtype)
     loss_cfg = cfg.loss_config()
     raw_ds, ds_source = load_ds_config(cfg.ds_config)
     layout = ParallelLayout.from_launch(cfg.sequence_parallel_size, zero_stage(raw_ds),
@@ -119,8 +147,8 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     if command == "train":
         check_output_dir(cfg)
     tokenizer, rows = tokenizer_and_rows(cfg)
-    check_layout_settings(cfg, layout, attn, len(tokenizer))
-    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
+    hf_config = check_models(cfg, layout, attn, len(tokenizer))
+    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, int(getattr(hf_config, "hidden_size", 1024)),
                                device_type)
     prepared = prepare_run_data(cfg, tokenizer, rows)
     plan_cfg = checked_plan_config(cfg, layout, prepared)
@@ -140,6 +168,7 @@ class Run:
     policy: object | None  # the DeepSpeed policy engine (None for precompute-ref)
     reference: object | None  # a reference engine or module, a PrecomputedReference, or None (SimPO)
     sequence_parallel: SequenceParallel | None
+    packing_check: dict | None = None  # the start-up guard's report (None: padded, or --skip-packing-check)
 
     @property
     def device(self) -> torch.device:
@@ -174,10 +203,11 @@ class Run:
         return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.cfg.packing).to(self.device)
 
     def check_packing(self) -> None:
-        """The start-up guard (packed runs): packed log-probs equal each sequence alone, on every rank together."""
+        """The start-up guard (packed runs): packed log-probs equal each sequence alone (eager), on every rank
+        together."""
         model = self.policy if self.policy is not None else self.reference
-        assert_packing_exact(model, self.setup.model_attn, self.setup.vocab_size, self.setup.pad_token_id,
-                             device=self.device, forward=self._forward)
+        self.packing_check = assert_packing_exact(model, self.setup.model_attn, self.setup.vocab_size,
+                                                  self.setup.pad_token_id, device=self.device, forward=self._forward)
 
     def close(self) -> None:
         """Frees the engines before the next run of this process is built (a bench's next configuration)."""
