@@ -166,5 +166,6 @@ def test_every_architecture_trains_on_two_zero3_ranks(tmp_path):
         assert abs(steps[0]["loss"] - 0.693147) < 1e-4, (arch, steps[0])  # policy = reference at step 1
         if arch in ("mistral", "gemma3"):
             assert result["longest"] > SLIDING_WINDOW
-            assert max(result["step1_logps_diff"]) <= 1e-5 * max(1.0, result["step1_logps_scale"]), (arch, result)
+            # the metrics are fp32 sums over the step's pairs (all-reduced), then means: a few ulps of ~1,000 nats
+            assert max(result["step1_logps_diff"]) <= 5e-7 * result["step1_logps_scale"], (arch, result)
             assert steps[-1]["loss"] < steps[0]["loss"], (arch, steps)

@@ -91,7 +91,8 @@ def check_output_dir(cfg: TrainConfig) -> None:
                          "--resume auto to continue the run saved there)")
 
 
-def model_label(cfg: TrainConfig) -> str:
+def model_source(cfg: TrainConfig) -> str:
+    """The flag that names the policy model, for error messages."""
     return f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
 
 
@@ -103,7 +104,7 @@ def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, h
     if not cfg.packing:
         raise InputError(f"--sequence-parallel-size {layout.sp_size} splits packed rows; it cannot be combined with "
                          f"--no-packing")
-    check_model_heads(hf_config, layout.sp_size, model_label(cfg))
+    check_model_heads(hf_config, layout.sp_size, model_source(cfg))
 
 
 def check_models(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int):
@@ -114,14 +115,14 @@ def check_models(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size
     # Under sequence parallelism the model's attention is Ulysses around the local kernel: the per-sequence kernel
     # of sdpa_varlen for sdpa too, or flash varlen.
     kernel = SDPA_VARLEN if layout.sp_size > 1 and not is_flash(attn) else attn
-    check_model_attention(hf_config, kernel, model_label(cfg))
+    check_model_attention(hf_config, kernel, model_source(cfg))
     if cfg.ref_model is not None:
         check_model_attention(reference_model_config(cfg, vocab_size), kernel, f"--ref-model {cfg.ref_model}")
     check_layout_settings(cfg, layout, attn, hf_config)
     if getattr(hf_config, "output_router_logits", False):
         # DPO's loss is a sum over pairs; a router load-balancing loss is one per packed row (over all its
         # tokens), which would make the loss depend on how pairs are packed (invariant 2).
-        warnings.warn(f"{model_label(cfg)}: the mixture-of-experts router auxiliary loss (output_router_logits, "
+        warnings.warn(f"{model_source(cfg)}: the mixture-of-experts router auxiliary loss (output_router_logits, "
                       f"router_aux_loss_coef {getattr(hf_config, 'router_aux_loss_coef', None)}) is not added to "
                       f"the DPO loss", stacklevel=2)
     return hf_config
