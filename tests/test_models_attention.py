@@ -269,12 +269,13 @@ def test_run_check_not_ok_for_a_cross_attending_model(model_and_tokenizer_folder
 def test_check_takes_train_data_flags_and_scales_with_length(model_and_tokenizer_folders, dpo_demo_path,
                                                            monkeypatch):
     """check sees the sequences a run with these flags sees (--max-length cuts them), and its per-token tolerance
-    passes an exact kernel on long real sequences while a cross-attending model fails on the same pairs."""
+    passes an exact kernel on a long real pair (two ~1,000-token sequences) while a cross-attending model fails on
+    the same pair."""
     model_dir, tok_dir = model_and_tokenizer_folders
-    data = ["--model", model_dir, "--tokenizer", tok_dir, "--dataset", str(dpo_demo_path), "--pairs", "2"]
+    data = ["--model", model_dir, "--tokenizer", tok_dir, "--dataset", str(dpo_demo_path), "--pairs", "1"]
     short = check(*data, "--max-length", "64", "--attn", "sdpa")
     long = check(*data, "--max-length", "1024", "--attn", "sdpa")
-    assert short["ok"] and short["longest_sequence"] <= 64 and short["data_pairs"] == 2
+    assert short["ok"] and short["longest_sequence"] <= 64 and short["data_pairs"] == 1
     assert long["ok"] and long["longest_sequence"] > 500, long
     real_model = check_command.model_alone
     monkeypatch.setattr(check_command, "model_alone", lambda setup: CrossAttending(real_model(setup), "cache"))
