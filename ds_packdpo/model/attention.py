@@ -135,7 +135,7 @@ def sliding_window_of(config) -> int | None:
 
 
 def attention_features(config) -> dict:
-    """The per-layer attention features of a model, as the exactness guard and ``check`` report them."""
+    """The per-layer attention features of a model's config (the README's matrix names them)."""
     text = _text_config(config)
     return {"sliding_window": sliding_window_of(config),
             "attn_logit_softcapping": getattr(text, "attn_logit_softcapping", None),
@@ -152,7 +152,7 @@ def check_model_attention(config, attn: str, where: str) -> None:
     and nothing else: chunked, bidirectional or other layer kinds are refused rather than run as causal.
     """
     text = _text_config(config)
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None) if config is not None else None
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)  # None: remote code, unchecked
     name = f"{where} ({getattr(text, 'model_type', '?')})"
     flag = _TRANSFORMERS_SUPPORT_FLAG.get(attn)
     if flag and model_class is not None and not getattr(model_class, flag, True):
@@ -160,7 +160,7 @@ def check_model_attention(config, attn: str, where: str) -> None:
         reason = (f"soft-caps its attention scores (attn_logit_softcapping {softcap:g}), which torch's sdpa cannot"
                   if attn == "sdpa" and softcap is not None else f"has no {attn} attention in transformers")
         raise InputError(f"--attn {attn}: {name} {reason}; use --attn {SDPA_VARLEN} or eager")
-    if attn in (SDPA_VARLEN, ULYSSES_ATTN):
+    if attn == SDPA_VARLEN:  # also the local kernel of Ulysses (phase one passes it for sequence parallelism)
         other = sorted(set(getattr(text, "layer_types", None) or ()) - set(KERNEL_LAYER_TYPES))
         for feature, present in (("attention_chunk_size", getattr(text, "attention_chunk_size", None)),
                                  ("use_bidirectional_attention", getattr(text, "use_bidirectional_attention", None)),
