@@ -3,6 +3,7 @@ installable package: the wheel carries the DeepSpeed configs, found through impo
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -106,9 +107,14 @@ def test_builtin_ds_configs_resolve_through_the_package():
 
 
 def test_the_wheel_carries_the_ds_configs(tmp_path):
-    """``pip wheel .`` (no build isolation: nothing is downloaded) packs every built-in config into the package."""
+    """``pip wheel .`` (no build isolation: nothing is downloaded) packs every built-in config into the package.
+    Built from a copy of what the wheel is made of, so the checkout gets no build/ folder."""
+    source = tmp_path / "source"
+    shutil.copytree(REPO / "ds_packdpo", source / "ds_packdpo", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300, cwd=tmp_path)
+                    str(tmp_path), str(source)], check=True, capture_output=True, timeout=300, cwd=tmp_path)
     (wheel,) = tmp_path.glob("ds_packdpo-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     shipped = sorted(Path(n).stem for n in names if n.startswith("ds_packdpo/ds_configs/") and n.endswith(".json"))
