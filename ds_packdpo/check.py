@@ -1,26 +1,35 @@
-"""``ds-packdpo check``: packed against one-sequence-at-a-time log-probs of a real model, in one process.
+"""``ds-packdpo check``: packed against one-sequence-at-a-time (eager) log-probs of a model, in one process.
 
-Phase one of the run assembly (settings, tokenizer, the tokenized pairs a run would
-see) and the assembly's model, without a process group or DeepSpeed.
+Phase one of the run assembly with train's flags (settings, tokenizer, the tokenized
+pairs a run would see: ``--dataset``, ``--max-length``, ``--format``, the columns, ...)
+and the assembly's model, without a process group or DeepSpeed.  The first ``pairs``
+pairs of the data are compared, plus, for a model with a sliding window, the guard's
+synthetic pair whose sequences exceed it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from .config import TrainConfig
 from .errors import InputError
-from .model.guard import packing_exactness
+from .model.attention import sliding_window_of
+from .model.guard import guard_pairs, packing_exactness
+from .model.lora import hf_model
 from .run.assemble import model_alone, prepare
 
 
-def run_check(model: str, tokenizer: str | None = None, attn: str = "auto", dataset: str | None = None,
-              pairs: int = 4, trust_remote_code: bool = False, dtype: str = "fp32") -> dict:
-    """The exactness report for a local model; the caller exits non-zero unless ok."""
+def run_check(cfg: TrainConfig, pairs: int = 4) -> dict:
+    """The exactness report for the model of ``cfg``; the caller exits non-zero unless ok."""
     if pairs < 1:
         raise InputError(f"--pairs must be >= 1, got {pairs}")
-    cfg = TrainConfig(model=model, tokenizer=tokenizer, attn=attn, dataset=dataset, max_pairs=pairs, dtype=dtype,
-                      trust_remote_code=trust_remote_code)
-    cfg.validate()
+    requested = cfg.attn
+    cfg = dataclasses.replace(cfg, max_pairs=min(pairs, cfg.max_pairs or pairs))
     setup = prepare(cfg, "check")
-    columns = setup.prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])
-    result = packing_exactness(model_alone(setup), columns.to_list(), setup.attn, setup.pad_token_id)
-    return {"model": model, "requested_attn": attn, "dataset": dataset or "synthetic", **result}
+    columns = setup.prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).to_list()
+    model = model_alone(setup)
+    beyond_window = guard_pairs(model, setup.vocab_size) if sliding_window_of(hf_model(model).config) else []
+    result = packing_exactness(model, columns + beyond_window, setup.attn, setup.pad_token_id)
+    return {"model": cfg.model or cfg.model_config or "tiny", "requested_attn": requested,
+            "dataset": cfg.dataset or "synthetic", **result, "data_pairs": len(columns),
+            "beyond_window_pairs": len(beyond_window)}

@@ -90,10 +90,10 @@ def test_layout_checks():
 # ----------------------------------------------------------------------------- two in-process gloo ranks
 
 
-def _model(kv_heads: int, attn: str):
+def _model(kv_heads: int, attn: str, arch: str = "llama"):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(vocab_size=128, hidden_size=64, layers=2, heads=4, kv_heads=kv_heads)
+    config = tiny_config(arch, vocab_size=128, hidden_size=64, layers=2, heads=4, kv_heads=kv_heads)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
@@ -117,15 +117,18 @@ def _rank_main(rank: int, port: int, results):
     # pairs long enough that sequences straddle the slice boundary; odd total length exercises the padding
     row = collate_packed(synthetic_pairs(3, vocab_size=128, seed=8, max_tokens=20), [0, 1, 2], PAD)
     out = {}
-    for kv_heads in (2, 1):  # 1 KV head < S=2: replicated
-        full, split = _model(kv_heads, "sdpa"), _model(kv_heads, ULYSSES_ATTN)
-        expected = forward_logps(full, row, "sdpa")
+    # 1 KV head < S=2: replicated; Mistral (every layer a window of 8 tokens) and Gemma 2 (sliding + full layers,
+    # attention and final soft-caps) against eager: the local kernel applies each layer's window and cap
+    for name, kv_heads, arch, attn in ((2, 2, "llama", "sdpa"), (1, 1, "llama", "sdpa"),
+                                       ("mistral", 2, "mistral", "eager"), ("gemma2", 2, "gemma2", "eager")):
+        full, split = _model(kv_heads, attn, arch), _model(kv_heads, ULYSSES_ATTN, arch)
+        expected = forward_logps(full, row, attn)
         _loss(expected).backward()
         got = sp.forward_logps(split, row, ULYSSES_ATTN)
         _loss(got).backward()
         grads = torch.cat([p.grad.reshape(-1) for p in split.parameters()])
         torch.distributed.all_reduce(grads)  # DeepSpeed's reduction sums the ranks' partial gradients
-        out[kv_heads] = {
+        out[name] = {
             "length": row.input_ids.shape[1],
             "logps_diff": float((got.logps - expected.logps).abs().max()),
             "tokens_equal": bool(torch.equal(got.tokens, expected.tokens)),
@@ -138,11 +141,13 @@ def _rank_main(rank: int, port: int, results):
 
 @pytest.mark.multirank
 def test_ulysses_logps_and_gradients_equal_one_rank():
-    """S=2 on 2 gloo ranks: whole-sequence log-probs equal the unsplit forward, and the summed gradients equal its gradient."""
+    """S=2 on 2 gloo ranks: whole-sequence log-probs equal the unsplit forward, and the summed gradients equal its
+    gradient (Mistral and Gemma 2: with their sliding windows and soft-caps, against eager)."""
     from launching import free_port
 
     results = mp.Manager().dict()
     mp.spawn(_rank_main, args=(free_port(), results), nprocs=2, join=True)
+    assert set(results[0]) == {2, 1, "mistral", "gemma2"}
     for rank in (0, 1):
         for kv_heads, res in results[rank].items():
             assert res["length"] % 2 == 1, res
