@@ -287,7 +287,8 @@ def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: 
                          "'ds-packdpo eval')")
     first = prepare(cfg, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
-    cfg = bench_model_config(cfg, settings, first.vocab_size, bench_model_folder(cfg))
+    # first.cfg: the settings as they run (--dtype auto resolved), which the report names
+    cfg = bench_model_config(first.cfg, settings, first.vocab_size, bench_model_folder(cfg))
     setups = {}
     for name in settings.configurations:
         if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:  # its file does not exist yet

@@ -1,31 +1,41 @@
-"""``ds-packdpo check``: packed (and prefix-shared) against one-sequence-at-a-time log-probs of a real model.
+"""``ds-packdpo check``: packed (and prefix-shared) against one-sequence-at-a-time (eager) log-probs of a model, in
+one process.
 
-Phase one of the run assembly (settings, tokenizer, the tokenized pairs a run would
-see) and the assembly's model, without a process group or DeepSpeed.
+Phase one of the run assembly with train's flags (settings, tokenizer, the tokenized
+pairs a run would see: ``--dataset``, ``--max-length``, ``--format``, the columns, ...)
+and the assembly's model, without a process group or DeepSpeed.  The first ``pairs``
+pairs of the data are compared, plus, for a model with a sliding window, the guard's
+synthetic pair whose sequences exceed it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from .config import TrainConfig
 from .errors import InputError
-from .model.guard import packing_exactness
+from .model.attention import sliding_window_of
+from .model.guard import guard_pairs, packing_exactness
+from .model.lora import hf_model
 from .run.assemble import model_alone, prepare
 
 
-def run_check(model: str, tokenizer: str | None = None, attn: str = "auto", dataset: str | None = None,
-              pairs: int = 4, trust_remote_code: bool = False, dtype: str = "fp32") -> dict:
-    """The exactness report for a local model; the caller exits non-zero unless ok.  ``prefix_sharing`` holds the
+def run_check(cfg: TrainConfig, pairs: int = 4) -> dict:
+    """The exactness report for the model of ``cfg``; the caller exits non-zero unless ok.  ``prefix_sharing`` holds the
     same comparison for prefix-shared rows when the backend runs them (else null)."""
     if pairs < 1:
         raise InputError(f"--pairs must be >= 1, got {pairs}")
-    cfg = TrainConfig(model=model, tokenizer=tokenizer, attn=attn, dataset=dataset, max_pairs=pairs, dtype=dtype,
-                      trust_remote_code=trust_remote_code)
-    cfg.validate()
+    requested = cfg.attn
+    cfg = dataclasses.replace(cfg, max_pairs=min(pairs, cfg.max_pairs or pairs))
     setup = prepare(cfg, "check")
-    columns = setup.prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])
-    pairs, lm = columns.to_list(), model_alone(setup)
-    result = packing_exactness(lm, pairs, setup.model_attn, setup.pad_token_id)
-    shared = (packing_exactness(lm, pairs, setup.model_attn, setup.pad_token_id, shared_prefix=True)
+    columns = setup.prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).to_list()
+    model = model_alone(setup)
+    beyond_window = guard_pairs(model, setup.vocab_size) if sliding_window_of(hf_model(model).config) else []
+    checked = columns + beyond_window
+    result = packing_exactness(model, checked, setup.model_attn, setup.pad_token_id)
+    shared = (packing_exactness(model, checked, setup.model_attn, setup.pad_token_id, shared_prefix=True)
               if setup.prefix_sharing else None)
-    return {"model": model, "requested_attn": attn, "dataset": dataset or "synthetic", **result,
-            "attn": setup.attn, "prefix_sharing": shared, "ok": result["ok"] and (shared is None or shared["ok"])}
+    return {"model": cfg.model or cfg.model_config or "tiny", "requested_attn": requested,
+            "dataset": cfg.dataset or "synthetic", **result, "attn": setup.attn, "data_pairs": len(columns),
+            "beyond_window_pairs": len(beyond_window), "prefix_sharing": shared,
+            "ok": result["ok"] and (shared is None or shared["ok"])}

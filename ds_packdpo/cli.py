@@ -131,15 +131,9 @@ def cmd_pack_stats(argv: list[str]) -> int:
 
 
 def check_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-packdpo check",
-                                     description="Packed vs one-sequence-at-a-time log-probs of a real model.")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--tokenizer", default=None, help="Default: the model folder.")
-    parser.add_argument("--attn", default="auto")
-    parser.add_argument("--dataset", default=None)
-    parser.add_argument("--pairs", type=int, default=4)
-    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser = _data_parser("ds-packdpo check", "Packed vs one-sequence-at-a-time (eager) log-probs of a model on the "
+                          "pairs a run with these flags would see (train's flags).")
+    parser.add_argument("--pairs", type=int, default=4, help="Pairs of the data to compare (default 4).")
     return parser
 
 
@@ -149,8 +143,7 @@ def cmd_check(argv: list[str]) -> int:
     def job() -> int:
         from .check import run_check
 
-        result = run_check(args.model, args.tokenizer or args.model, attn=args.attn, dataset=args.dataset,
-                           pairs=args.pairs, trust_remote_code=args.trust_remote_code, dtype=args.dtype)
+        result = run_check(config_from_args(args), pairs=args.pairs)
         print(json.dumps(result))
         return 0 if result["ok"] else 1
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from .data.plan import PlanConfig
 from .data.prepare import DataConfig
 from .errors import InputError
+from .hub import check_model_source, is_hub_id
 
-REPO_DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
-DTYPES = ("fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
@@ -35,17 +35,24 @@ def _opt(help_text: str, default=None, choices=None, **meta):
 @dataclass
 class TrainConfig:
     # --- model ---
-    model: str | None = _opt("HF causal LM folder for the policy (and the reference unless --ref-model).")
+    model: str | None = _opt("HF causal LM for the policy (and the reference unless --ref-model): a local folder or a "
+                             "hub id (downloaded into the usual hub cache; HF_HUB_OFFLINE=1 reads only the cache).")
     model_config: str | None = _opt(
-        "Build the model from a config with random weights: 'tiny', 'tiny-qwen2' or a config.json path. "
+        "Build the model from a config with random weights: 'tiny', 'tiny-qwen2', 'tiny-ARCH' of the architecture "
+        "matrix (e.g. tiny-mistral, tiny-gemma3) or a config.json path. "
         "Default 'tiny' when neither --model nor --model-config is given."
     )
-    ref_model: str | None = _opt("Separate HF folder for the frozen reference model.")
+    ref_model: str | None = _opt("Separate frozen reference model: a local HF folder or a hub id (its default "
+                                 "revision).")
     # --- precomputed reference (ds-packdpo precompute-ref) ---
     ref_logps: str | None = _opt("Reference log-probs precomputed by 'ds-packdpo precompute-ref' (a .jsonl/.parquet "
                                  "file): train with no reference model at all.")
-    tokenizer: str | None = _opt("HF tokenizer folder. Default: --model, or a local BPE built for the embedded dataset.")
-    dtype: str = _opt("Training precision.", "fp32", DTYPES)
+    tokenizer: str | None = _opt("HF tokenizer: a local folder or a hub id. Default: --model (at --revision), or a local "
+                                 "BPE built for the embedded dataset.")
+    revision: str | None = _opt("Hub revision (branch, tag or commit) of a hub --model and of the tokenizer taken from "
+                                "it.")
+    dtype: str = _opt("Precision: auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16. Flash attention runs bf16 only.",
+                      "auto", DTYPES)
     attn: str = _opt("Attention backend: auto, sdpa, eager, flex_attention, flash_attention_2, flash_attention_3.", "auto")
     trust_remote_code: bool = _opt("Allow custom modelling code from model folders (off by default).", False)
     # --- LoRA (peft: pip install -e '.[lora]') ---
@@ -109,7 +116,8 @@ class TrainConfig:
     logps_impl: str = _opt("Log-probs from chunks of the final hidden states, never the whole [tokens x vocab] logits "
                            "(lean), or from the full logits (plain).", "lean", ("lean", "plain"))
     # --- DeepSpeed ---
-    ds_config: str = _opt("DeepSpeed config: a name in ds_configs/ (zero3, zero3_offload, zero2) or a JSON path.", "zero3")
+    ds_config: str = _opt("DeepSpeed config: a built-in name (zero3, zero3_offload, zero2: ds_configs/, shipped in the "
+                          "package) or a JSON path.", "zero3")
     ref_offload: bool = _opt("Offload the reference parameters to CPU (ZeRO-3).", False)
     collective_timeout_s: float = _opt("Seconds before a stalled collective (e.g. a dead rank) ends the run.", 600.0)
     skip_packing_check: bool = _opt("Skip the start-up check that packed log-probs equal unpacked ones.", False)
@@ -250,9 +258,12 @@ class TrainConfig:
             raise InputError("--model and --model-config are exclusive: load a folder or build from a config")
         for key in ("model", "ref_model"):
             if getattr(self, key) is not None:
-                check_model_folder(getattr(self, key), f"--{flag(key)}")
-        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
-            raise InputError(f"--tokenizer {self.tokenizer}: no such folder")
+                check_model_source(getattr(self, key), f"--{flag(key)}")
+        if self.tokenizer is not None and not (Path(self.tokenizer).is_dir() or is_hub_id(self.tokenizer)):
+            raise InputError(f"--tokenizer {self.tokenizer}: no such folder, and not a hub id")
+        if self.revision is not None and (self.model is None or not is_hub_id(self.model)):
+            raise InputError(f"--revision {self.revision}: names a revision of a hub --model, and --model "
+                             f"{self.model or '(none)'} is not a hub id")
         for key in ("save_steps", "save_total_limit"):
             value = getattr(self, key)
             if value is not None and value < 1:
@@ -324,13 +335,11 @@ class TrainConfig:
             raise InputError("--ref-offload with --lora-r: the reference is the policy with its adapters off, there "
                              "is no reference model to offload (give --ref-model to use a separate one)")
 
-def check_model_folder(path: str, where: str = "--model") -> Path:
-    """A local Hugging Face model folder (one holding config.json), or InputError naming it."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        reason = "no config.json in the folder" if folder.is_dir() else "no such folder"
-        raise InputError(f"{where} {path}: not a local HF model folder ({reason})")
-    return folder
+def resolve_dtype(dtype: str, device_type: str) -> str:
+    """--dtype auto: bf16 on CUDA (flash attention runs half precision only), fp32 on CPU (no fast bf16 kernels)."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if device_type == "cuda" else "fp32"
 
 
 def flag(name: str) -> str:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Packing-exactness check on a CUDA machine, flash_attention_2 varlen included (a few minutes at most).
+# Packing-exactness check on a CUDA machine: the architecture matrix with flash_attention_2 varlen and bf16,
+# and the bf16 guard figures (under 5 minutes once flash-attn is installed).
 #
 #   scripts/gpu_check.sh [VENV] [-- extra args for scripts/gpu_check.py]
 #
@@ -25,7 +26,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     echo '{"ok": false, "error": "no CUDA-enabled torch in '"$PY"' (install a CUDA build of torch first)"}'
     exit 2
 fi
-"$PY" -c "import transformers" 2>/dev/null || "$PY" -m pip install -q "transformers>=4.56" >&2
+"$PY" -c "import transformers" 2>/dev/null || "$PY" -m pip install -q "transformers>=5.23" >&2
 if ! "$PY" -c "import flash_attn" 2>/dev/null; then
     echo "gpu_check: installing flash-attn (may take long without a matching prebuilt wheel)" >&2
     "$PY" -m pip install -q packaging ninja psutil >&2 || true

@@ -154,7 +154,7 @@ BAD_CONFIGS = {
         "'train_batch_size': 16 contradicts the run (2 data-parallel ranks"),
     "DeepSpeed config not JSON": (lambda d: ["--ds-config", _ds_config(d, "{ not json")], "not valid JSON"),
     "missing model folder": (lambda d: ["--model", str(d / "no_model")],
-                             "no_model: not a local HF model folder (no such folder)"),
+                             "no_model: not a local HF model folder (no such folder, and not a hub model id)"),
     "row budget below max length": (lambda d: ["--max-tokens-per-row", "64"], "--max-tokens-per-row"),
     "resume from a missing checkpoint": (lambda d: ["--resume", str(d / "no_ckpt")], "no such checkpoint folder"),
     "resume from an incompatible checkpoint": (lambda d: ["--resume", _incompatible_checkpoint(d)],
@@ -331,7 +331,7 @@ def test_unknown_command_is_named(capsys):
 def test_check_blames_the_missing_model_folder_not_the_tokenizer(tmp_path, capsys):
     missing = tmp_path / "no_model"
     code = cli.main(["check", "--model", str(missing)])
-    assert_one_line_error(code, capsys.readouterr().err, f"--model {missing}: not a local HF model folder (no such folder)")
+    assert_one_line_error(code, capsys.readouterr().err, f"--model {missing}: not a local HF model folder (no such folder, and not a hub model id)")
 
 
 def test_export_names_the_unreadable_shard(tmp_path, out_dir, demo_tokenizer, capsys):

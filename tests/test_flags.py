@@ -54,13 +54,13 @@ COMMANDS = {
     "precompute-ref": (None, _precompute_ref, []),
     "prepare": (cli.prepare_parser, _data_command(cli.prepare_parser), []),
     "pack-stats": (cli.pack_stats_parser, _data_command(cli.pack_stats_parser), []),
-    "check": (cli.check_parser, _plain(cli.check_parser), ["--model", "m"]),
+    "check": (cli.check_parser, _data_command(cli.check_parser), []),
     "export": (cli.export_parser, _plain(cli.export_parser), ["--checkpoint", "c", "--out", "o"]),
     "report": (cli.report_parser, _plain(cli.report_parser), ["folder", "--out", "o"]),
 }
 # Flags that need another one to be valid at all (they are given in both command lines).
 CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"],
-           "--allow-new-layout": ["--resume", "MODEL"],
+           "--allow-new-layout": ["--resume", "MODEL"], "--revision": ["--model", "org/hub-model"],
            "--eval-steps": ["--eval-fraction", "0.5"], "--eval-max-pairs": ["--eval-fraction", "0.5"],
            **{f"--lora-{name}": ["--lora-r", "1"] for name in ("alpha", "dropout", "target-modules")}}
 
@@ -137,7 +137,7 @@ def test_every_flag_changes_exactly_what_it_names(command, values):
             if isinstance(action, argparse.BooleanOptionalAction):
                 assert got[field] is (not variant[0].startswith("--no-")), (command, variant)
         walked.add(field)
-    if command in ("train", "bench", "precompute-ref", "prepare", "pack-stats"):
+    if command in ("train", "bench", "precompute-ref", "prepare", "pack-stats", "check"):
         # every setting of the run has a flag, and every one was walked
         assert {f.name for f in dataclasses.fields(TrainConfig)} <= walked
 

@@ -142,21 +142,25 @@ def test_lean_values_and_gradients_match_plain(rows, length, vocab, hidden, sequ
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True), ("qwen2", True)])
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True), ("qwen2", True), ("gemma2", True),
+                                        ("gemma3", False)])
 def test_lean_forward_matches_plain_on_a_model(arch, tied):
     """forward_logps on a real HF model, packed and padded: lean = plain in values, logits metric and every
-    parameter's gradient (tied embeddings too), and lean never saves a [T, V] tensor for backward."""
+    parameter's gradient (tied embeddings too; Gemma's final logit soft-cap applied inside the chunk loop), and
+    lean never saves a [T, V] tensor for backward."""
     from transformers import AutoModelForCausalLM
 
     from ds_packdpo.model.collate import collate_packed, collate_padded
     from ds_packdpo.model.logps import forward_logps
+    from ds_packdpo.model.attention import attn_implementation
     from ds_packdpo.model.build import tiny_config
     from ds_packdpo.model.guard import synthetic_pairs
 
     vocab = 300
     torch.manual_seed(0)
+    attn = "sdpa_varlen" if arch.startswith("gemma") else "sdpa"  # transformers' sdpa lacks Gemma 2's attention cap
     model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size=vocab, tie_word_embeddings=tied),
-                                             attn_implementation="sdpa")
+                                             attn_implementation=attn_implementation(attn))
     pairs = synthetic_pairs(3, vocab, seed=1)
     weights = torch.randn(6, generator=torch.Generator().manual_seed(2))
     for collate in (collate_packed, collate_padded):
@@ -166,7 +170,7 @@ def test_lean_forward_matches_plain_on_a_model(arch, tied):
             model.zero_grad()
             saved = []
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-                out = forward_logps(model, batch, "sdpa", chunk_tokens=7, impl=impl)
+                out = forward_logps(model, batch, attn, chunk_tokens=7, impl=impl)
             (out.logps * weights).sum().backward()
             results[impl] = out, [p.grad.clone() for p in model.parameters()], max(saved)
         (plain, plain_grads, _), (lean, lean_grads, lean_saved) = results["plain"], results["lean"]
@@ -181,10 +185,12 @@ def test_lean_forward_matches_plain_on_a_model(arch, tied):
 def test_lean_falls_back_to_plain_for_post_processed_logits():
     from transformers import AutoModelForCausalLM
 
-    from ds_packdpo.model.logps import lean_lm_head
+    from ds_packdpo.model.logps import final_logit_softcap, lean_lm_head
     from ds_packdpo.model.build import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=64))
-    assert lean_lm_head(model) is model.lm_head
-    model.config.final_logit_softcapping = 30.0  # Gemma-style soft-capping happens after the lm_head
+    assert lean_lm_head(model) is model.lm_head and final_logit_softcap(model) is None
+    model.config.final_logit_softcapping = 30.0  # Gemma's soft-cap after the lm_head: the lean path applies it
+    assert lean_lm_head(model) is model.lm_head and final_logit_softcap(model) == 30.0
+    model.config.logit_scale = 0.5  # Cohere-style scaling after the lm_head: computed on the full logits
     assert lean_lm_head(model) is None

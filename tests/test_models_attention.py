@@ -10,6 +10,8 @@ import torch
 
 from ds_packdpo.model import attention
 from ds_packdpo import check as check_command
+from ds_packdpo import cli
+from ds_packdpo.config import config_from_args
 from ds_packdpo.model.attention import ATTN_CHOICES, model_forward_kwargs, resolve_attn
 from ds_packdpo.model.collate import collate_packed, collate_padded
 from ds_packdpo.errors import InputError
@@ -31,18 +33,20 @@ def tiny_llama():
 
 
 class CrossAttending(torch.nn.Module):
-    """A model call that breaks transformers' per-sequence mask: a cache, or an explicit all-ones mask."""
+    """A model call that breaks transformers' per-sequence mask: a cache, or an explicit all-ones mask.
+
+    The HF model sits in ``.module``, as in a DeepSpeed engine (the guard reaches its config there)."""
 
     def __init__(self, model, how: str):
         super().__init__()
-        self.model, self.how = model, how
+        self.module, self.how = model, how
 
     def forward(self, **kwargs):
         if self.how == "cache":
             kwargs["use_cache"] = True
         else:
             kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
-        return self.model(**kwargs)
+        return self.module(**kwargs)
 
 
 # ---- backend resolution -------------------------------------------------------------------------
@@ -84,6 +88,33 @@ def test_bad_backend_is_one_line_input_error_naming_attn(name, device, needle, m
     assert message.startswith("--attn") and needle in message and "\n" not in message
     if needle.startswith("unknown"):
         assert all(choice in message for choice in ATTN_CHOICES)
+
+
+def test_dtype_auto_and_flash_needs_half_precision(monkeypatch):
+    """--dtype auto is bf16 on CUDA and fp32 on CPU; auto attention never picks flash for fp32, and an explicit
+    flash backend with fp32 is refused at once, in one line naming both flags."""
+    from ds_packdpo.config import resolve_dtype
+
+    assert [resolve_dtype("auto", d) for d in ("cuda", "cpu")] == ["bf16", "fp32"]
+    assert resolve_dtype("fp32", "cuda") == "fp32" and resolve_dtype("bf16", "cpu") == "bf16"
+    monkeypatch.setattr(attention, "flash_attention_available", lambda name: True)
+    assert resolve_attn("auto", "cuda", dtype="bf16") == "flash_attention_2"
+    assert resolve_attn("auto", "cuda", dtype="fp32") == "sdpa_varlen"
+    with pytest.raises(InputError) as info:
+        resolve_attn("flash_attention_2", "cuda", dtype="fp32")
+    message = str(info.value)
+    assert message.startswith("--attn flash_attention_2 with --dtype fp32") and "--dtype bf16" in message
+    assert "\n" not in message
+
+
+def test_prepare_resolves_dtype_auto_on_cpu(tmp_path):
+    from ds_packdpo.config import parse_train_args
+    from ds_packdpo.run.assemble import prepare
+
+    cfg = parse_train_args(["--synthetic-pairs", "16", "--max-length", "48", "--cache-dir", str(tmp_path / "c"),
+                            "--output-dir", str(tmp_path / "out")])
+    setup = prepare(cfg, "train", world_size=1)
+    assert cfg.dtype == "auto" and setup.cfg.dtype == "fp32" and setup.ds_config["bf16"]["enabled"] is False
 
 
 def test_flex_forward_only_is_allowed_on_cpu():
@@ -179,7 +210,8 @@ def test_guard_passes_for_exact_backends(attn):
     model = build_model(None, "tiny-qwen2", VOCAB, torch.float32, attn, seed=1)
     result = packing_exactness(model, synthetic_pairs(3, VOCAB, seed=2), attn, pad_token_id=0)
     assert result["ok"] and result["max_abs_diff_logps"] < 1e-5 and result["pairs"] == 3
-    assert result["attn"] == attn and result["dtype"] == "float32" and result["tolerance"] == 1e-4
+    assert result["attn"] == attn and result["dtype"] == "float32" and result["tolerance_per_token"] == 1e-5
+    assert result["reference"] == "eager, one sequence at a time"
     assert assert_packing_exact(model, attn, VOCAB, 0)["ok"]
 
 
@@ -212,16 +244,22 @@ def model_and_tokenizer_folders(tmp_path_factory):
     return str(root / "model"), str(root / "tok")
 
 
+def check(*argv: str) -> dict:
+    """``ds-packdpo check ARGV`` as its command runs it (train's flags + --pairs)."""
+    args = cli.check_parser().parse_args(list(argv))
+    return run_check(config_from_args(args), pairs=args.pairs)
+
+
 def test_run_check_reports_json_and_ok(model_and_tokenizer_folders):
     model_dir, tok_dir = model_and_tokenizer_folders
-    result = run_check(model_dir, tok_dir, attn="auto", pairs=3)
+    result = check("--model", model_dir, "--tokenizer", tok_dir, "--pairs", "3")
     assert result["ok"] and result["attn"] == "sdpa_varlen" and result["requested_attn"] == "auto"
-    assert result["dataset"] == "synthetic" and result["pairs"] == 3
+    assert result["dataset"] == "synthetic" and result["pairs"] == 3 and result["dtype"] == "float32"  # auto on CPU
     assert json.loads(json.dumps(result)) == result
     # sdpa_varlen runs prefix-shared rows: check compares those with each sequence alone too
     shared = result["prefix_sharing"]
     assert shared["ok"] and shared["layout"] == "shared-prefix" and shared["max_abs_diff_logps"] <= 1e-5
-    eager = run_check(model_dir, tok_dir, attn="eager", pairs=1, dtype="bf16")
+    eager = check("--model", model_dir, "--tokenizer", tok_dir, "--attn", "eager", "--pairs", "1", "--dtype", "bf16")
     assert eager["ok"] and eager["prefix_sharing"] is None  # eager's masks cannot share prefixes: packing alone
 
 
@@ -229,21 +267,37 @@ def test_run_check_not_ok_for_a_cross_attending_model(model_and_tokenizer_folder
     model_dir, tok_dir = model_and_tokenizer_folders
     real_model = check_command.model_alone
     monkeypatch.setattr(check_command, "model_alone", lambda setup: CrossAttending(real_model(setup), "cache"))
-    assert not run_check(model_dir, tok_dir, attn="sdpa", pairs=2)["ok"]
+    assert not check("--model", model_dir, "--tokenizer", tok_dir, "--attn", "sdpa", "--pairs", "2")["ok"]
 
 
-def test_run_check_on_a_real_dataset(model_and_tokenizer_folders, dpo_demo_path):
+def test_check_takes_train_data_flags_and_scales_with_length(model_and_tokenizer_folders, dpo_demo_path,
+                                                           monkeypatch):
+    """check sees the sequences a run with these flags sees (--max-length cuts them), and its per-token tolerance
+    passes an exact kernel on a long real pair (two ~1,000-token sequences) while a cross-attending model fails on
+    the same pair."""
     model_dir, tok_dir = model_and_tokenizer_folders
-    result = run_check(model_dir, tok_dir, attn="sdpa", dataset=str(dpo_demo_path), pairs=2)
-    assert result["ok"] and result["pairs"] == 2 and result["dataset"] == str(dpo_demo_path)
+    data = ["--model", model_dir, "--tokenizer", tok_dir, "--dataset", str(dpo_demo_path), "--pairs", "1"]
+    short = check(*data, "--max-length", "64", "--attn", "sdpa")
+    long = check(*data, "--max-length", "1024", "--attn", "sdpa")
+    assert short["ok"] and short["longest_sequence"] <= 64 and short["data_pairs"] == 1
+    assert long["ok"] and long["longest_sequence"] > 500, long
+    real_model = check_command.model_alone
+    monkeypatch.setattr(check_command, "model_alone", lambda setup: CrossAttending(real_model(setup), "cache"))
+    leaking = check(*data, "--max-length", "1024", "--attn", "sdpa")
+    assert not leaking["ok"] and leaking["max_diff_per_token"] > 10 * leaking["tolerance_per_token"], leaking
 
 
-@pytest.mark.parametrize("kwargs, needle", [({"pairs": 0}, "--pairs"), ({"dtype": "fp8"}, "--dtype"),
-                                            ({"attn": "nope"}, "--attn")])
-def test_run_check_input_errors(model_and_tokenizer_folders, kwargs, needle):
+def test_check_adds_a_pair_beyond_the_sliding_window():
+    result = check("--model-config", "tiny-mistral", "--pairs", "1", "--max-length", "32")
+    assert result["ok"] and result["beyond_window_pairs"] == 1 and result["sliding_window"] == 8
+    assert result["longest_sequence"] > 8 and result["pairs"] == 2
+
+
+@pytest.mark.parametrize("argv, needle", [(["--pairs", "0"], "--pairs"), (["--attn", "flash_attention_2"], "--attn")])
+def test_run_check_input_errors(model_and_tokenizer_folders, argv, needle):
     model_dir, tok_dir = model_and_tokenizer_folders
     with pytest.raises(InputError, match=needle):
-        run_check(model_dir, tok_dir, **kwargs)
+        check("--model", model_dir, "--tokenizer", tok_dir, *argv)
 
 
 def varlen_reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

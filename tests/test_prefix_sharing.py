@@ -4,7 +4,8 @@ its two sequences run apart.
 The kernel is checked against an independent dense fp64 attention built from the definition (values and
 gradients, grouped-query heads, sliding windows, soft-capping), the flash-attn kernel's index work against an
 emulation of flash's documented varlen semantics (no CUDA here), and whole models (tiny Llama, Qwen2 and a
-sliding-window Mistral, fp32) against the unshared packed row and against each sequence alone with eager attention.
+sliding-window Mistral, fp32) against the unshared packed row and against each sequence alone with eager
+attention; tests/test_architectures.py checks every architecture of the matrix the same way.
 Under sequence parallelism (S = 2) the shared row is checked in tests/test_sequence_parallel.py's launch, the
 trajectory in tests/test_trainer_multirank.py's.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig
 
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.errors import InputError, PackingNotExactError
@@ -124,17 +124,8 @@ def random_pairs(count: int, seed: int) -> list[dict]:
     return pairs
 
 
-def mistral(attn: str):
-    """A tiny Mistral whose every layer has a sliding window of 8 tokens (sequences here are longer)."""
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-
-
 def model_for(arch: str, attn: str):
-    return mistral(attn) if arch == "mistral-window" else build_model(None, arch, VOCAB, torch.float32, attn, seed=0)
+    return build_model(None, arch, VOCAB, torch.float32, attn, seed=0)
 
 
 def dpo_logps_and_gradients(model, batch, attn: str, impl: str):
@@ -146,15 +137,16 @@ def dpo_logps_and_gradients(model, batch, attn: str, impl: str):
     return policy, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("arch", ["tiny", "tiny-qwen2", "mistral-window"])
+@pytest.mark.parametrize("arch", ["tiny", "tiny-qwen2", "tiny-mistral"])
 def test_shared_rows_equal_unshared_logps_and_gradients(arch):
     """fp32: the shared row against the unshared packed row (the same kernels: Llama, Qwen2) or against the padded
-    batch under eager attention (every sequence alone with transformers' own sliding-window mask: Mistral)."""
+    batch under eager attention (every sequence alone with transformers' own sliding-window mask: Mistral, every
+    layer a window of 8 tokens; tests/test_architectures.py checks every architecture of the matrix the same way)."""
     pairs = random_pairs(5, seed=7)
     index = list(range(len(pairs)))
     shared = collate_shared(pairs, index, 0)
     assert shared.computed_tokens < collate_packed(pairs, index, 0).computed_tokens
-    windowed = arch == "mistral-window"
+    windowed = arch == "tiny-mistral"
     reference_attn, reference_batch = (("eager", collate_padded(pairs, index, 0)) if windowed
                                        else ("sdpa_varlen", collate_packed(pairs, index, 0)))
     for impl in ("lean", "plain"):
@@ -168,7 +160,7 @@ def test_shared_rows_equal_unshared_logps_and_gradients(arch):
         for name, grad in want_grads.items():
             assert (got_grads[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-9, (impl, name)
     if windowed:  # the window matters here: without it the log-probs differ
-        unwindowed = mistral("sdpa_varlen")
+        unwindowed = model_for(arch, "sdpa_varlen")
         unwindowed.config.sliding_window = None
         with torch.no_grad():
             assert (forward_logps(unwindowed, shared, "sdpa_varlen").logps - want.logps).abs().max() > 1e-3

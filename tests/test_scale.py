@@ -25,6 +25,7 @@ from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.data.plan import iter_plan
 from ds_packdpo.data.synthetic import synthetic_preference_rows
+from ds_packdpo.model.attention import SDPA_VARLEN, attn_implementation
 from ds_packdpo.model.build import tiny_config
 from ds_packdpo.model.collate import collate_packed
 from ds_packdpo.model.guard import synthetic_pairs
@@ -210,7 +211,7 @@ def test_gradient_checkpointing_keeps_gradients_one_rank():
     """One process, packed rows of several sequences, lean log-probs: the same gradients with and without, and the
     layers really run again in backward."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=300), attn_implementation="sdpa_varlen")
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=300), attn_implementation=attn_implementation(SDPA_VARLEN))
     batch = collate_packed(synthetic_pairs(4, 300, seed=1, max_tokens=30), list(range(4)), 0)
     plain, plain_calls = _packed_gradients(model, batch)
     enable_gradient_checkpointing(model)

@@ -103,10 +103,10 @@ def test_layout_checks():
 # ----------------------------------------------------------------------------- two in-process gloo ranks
 
 
-def _model(kv_heads: int, attn: str):
+def _model(kv_heads: int, attn: str, arch: str = "llama"):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(vocab_size=128, hidden_size=64, layers=2, heads=4, kv_heads=kv_heads)
+    config = tiny_config(arch, vocab_size=128, hidden_size=64, layers=2, heads=4, kv_heads=kv_heads)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
@@ -132,23 +132,26 @@ def _rank_main(rank: int, port: int, results):
     row = collate_packed(pairs, [0, 1, 2], PAD)
     shared_row = collate_shared(pairs, [0, 1, 2], PAD)  # the same pairs, each prompt once
     out = {}
-    for kv_heads in (2, 1):  # 1 KV head < S=2: replicated
-        full, split = _model(kv_heads, "sdpa"), _model(kv_heads, ULYSSES_ATTN)
-        expected = forward_logps(full, row, "sdpa")
+    # 1 KV head < S=2: replicated; Mistral (every layer a window of 8 tokens) and Gemma 2 (sliding + full layers,
+    # attention and final soft-caps) against eager: the local kernel applies each layer's window and cap
+    for name, kv_heads, arch, attn in ((2, 2, "llama", "sdpa"), (1, 1, "llama", "sdpa"),
+                                       ("mistral", 2, "mistral", "eager"), ("gemma2", 2, "gemma2", "eager")):
+        full, split = _model(kv_heads, attn, arch), _model(kv_heads, ULYSSES_ATTN, arch)
+        expected = forward_logps(full, row, attn)
         _loss(expected).backward()
         full_grads = torch.cat([p.grad.reshape(-1) for p in full.parameters()])
-        for name, batch in (("", row), ("shared_", shared_row)):
+        for prefix, batch in (("", row), ("shared_", shared_row)):
             split.zero_grad(set_to_none=True)
             got = sp.forward_logps(split, batch, ULYSSES_ATTN)
             _loss(got).backward()
             grads = torch.cat([p.grad.reshape(-1) for p in split.parameters()])
             torch.distributed.all_reduce(grads)  # DeepSpeed's reduction sums the ranks' partial gradients
-            out.setdefault(kv_heads, {}).update({
-                f"{name}length": batch.input_ids.shape[1],
-                f"{name}logps_diff": float((got.logps - expected.logps).abs().max()),
-                f"{name}tokens_equal": bool(torch.equal(got.tokens, expected.tokens)),
-                f"{name}logits_diff": float((got.logits_sum - expected.logits_sum).abs().max()),
-                f"{name}grad_rel": float((grads - full_grads).norm() / grads.norm()),
+            out.setdefault(name, {}).update({
+                f"{prefix}length": batch.input_ids.shape[1],
+                f"{prefix}logps_diff": float((got.logps - expected.logps).abs().max()),
+                f"{prefix}tokens_equal": bool(torch.equal(got.tokens, expected.tokens)),
+                f"{prefix}logits_diff": float((got.logits_sum - expected.logits_sum).abs().max()),
+                f"{prefix}grad_rel": float((grads - full_grads).norm() / grads.norm()),
             })
     results[rank] = out
 
@@ -157,11 +160,13 @@ def _rank_main(rank: int, port: int, results):
 def test_ulysses_logps_and_gradients_equal_one_rank():
     """S=2 on 2 gloo ranks: whole-sequence log-probs equal the unsplit forward, and the summed gradients equal its
     gradient -- for the packed row and for the same pairs prefix-shared (the shared-prefix kernel after the
-    all-to-all), both against the unsplit unshared row."""
+    all-to-all), both against the unsplit unshared row (Mistral and Gemma 2: with their sliding windows and soft-caps,
+    against eager)."""
     from launching import free_port
 
     results = mp.Manager().dict()
     mp.spawn(_rank_main, args=(free_port(), results), nprocs=2, join=True)
+    assert set(results[0]) == {2, 1, "mistral", "gemma2"}
     for rank in (0, 1):
         for kv_heads, res in results[rank].items():
             assert res["length"] % 2 == 1 and res["shared_length"] % 2 == 1, res  # both rows padded to S

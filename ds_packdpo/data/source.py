@@ -19,11 +19,13 @@ def tokenizer_and_rows(cfg) -> tuple[object, list[dict] | None]:
     """The tokenizer (--tokenizer, else --model's, else a local BPE for the synthetic set) and the in-memory rows
     of the synthetic set (None when --dataset names the data)."""
     rows = synthetic_preference_rows(cfg.synthetic_pairs, seed=0) if cfg.dataset is None else None
-    if cfg.tokenizer is not None or cfg.model is not None:
-        return load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code), rows
+    if cfg.tokenizer is not None:
+        return load_tokenizer(cfg.tokenizer, trust_remote_code=cfg.trust_remote_code), rows
+    if cfg.model is not None:
+        return load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision), rows
     if rows is not None:
         return default_tokenizer(rows), rows
-    raise InputError("--tokenizer is required with --dataset when no --model folder provides one")
+    raise InputError("--tokenizer is required with --dataset when no --model provides one")
 
 
 def prepare_run_data(cfg, tokenizer, rows: list[dict] | None, data_cfg: DataConfig | None = None) -> PreparedPairs:

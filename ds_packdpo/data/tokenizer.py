@@ -1,4 +1,4 @@
-"""Local tokenizers: nothing here touches the network.
+"""Tokenizers: a local BPE built here, or one loaded from a folder or a hub id.
 
 The embedded default run and the tests need a real HF tokenizer with a chat
 template but may not download one, so :func:`train_bpe_tokenizer` trains a small
@@ -16,7 +16,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ..errors import InputError
+from ..errors import InputError, first_line
+from ..hub import hub_load_error, is_hub_id
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLES = ("system", "user", "assistant")
@@ -62,8 +63,16 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrai
     )
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """``AutoTokenizer`` from a local folder; a missing or unreadable folder is an InputError."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, revision: str | None = None):
+    """``AutoTokenizer`` from a local folder, or from a hub id (at ``revision``) through the hub cache; a missing
+    or unreadable one is an InputError."""
+    if is_hub_id(path):
+        try:
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+        except OSError as exc:
+            raise hub_load_error("tokenizer", path, exc) from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"tokenizer {path}: cannot load it ({first_line(exc)})") from None
     folder = Path(path)
     if not folder.is_dir():
         raise InputError(f"tokenizer {path}: no such folder")

@@ -9,7 +9,8 @@ Two ways get there in transformers 5.x:
   ``use_cache=False`` silently attends across sequences (measured here: max logit
   difference ~1.0 instead of ~3e-7), so every forward built here passes
   ``use_cache=False`` and, for a packed row, no attention mask.
-* ``sdpa_varlen`` (this module, registered with transformers' ``AttentionInterface``):
+* ``sdpa_varlen`` (this module, registered with transformers' ``AttentionInterface`` as
+  ``ds_packdpo_varlen``):
   torch's causal sdpa run once per sequence of the row, so attention costs
   sum(L_i^2) instead of the T^2 of a dense block-diagonal mask (on small models,
   where attention dominates, the dense mask would eat the whole gain of packing).
@@ -22,27 +23,44 @@ Two ways get there in transformers 5.x:
 
 flash-attn is an optional extra that cannot even be installed without CUDA; only
 its presence is probed (through transformers, which does not import it).
+
+Sliding windows and soft-capping (Mistral, Qwen2, Gemma 2/3, Phi-3) are per-layer
+features that transformers hands to the attention function as the ``sliding_window``
+and ``softcap`` keyword arguments (None on a layer without them).  Every kernel here
+applies them with transformers' own meaning (``sequence_attention.causal_window_mask``,
+the one per-sequence kernel ``attend_sequence``; prefix-shared rows in
+``prefix_attention.py``), or the run is refused in phase one
+(:func:`check_model_attention`): a kernel that drops one trains on silently wrong log-probs.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from ..errors import InputError
 from .collate import ModelBatch
 from .prefix_attention import PREFIX_FLASH, prefix_attention_forward, shared_prefix_attention
+from .sequence_attention import attend_sequence, causal_window_mask, masked_attention
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
 SDPA_VARLEN = "sdpa_varlen"
+# The attn_implementation sdpa_varlen is registered under: transformers applies its sdpa checks to any name that
+# contains "sdpa" (and refuses Gemma 2, whose soft-capping its sdpa lacks), which this kernel does not need.
+VARLEN_IMPLEMENTATION = "ds_packdpo_varlen"
 # The attention_implementation name of DeepSpeed-Ulysses (ds_packdpo.sequence_parallel registers it).
 ULYSSES_ATTN = "ds_packdpo_ulysses"
 # Backends that take the boundaries as cu_seqlens kwargs.
 VARLEN_BACKENDS = (*FLASH_BACKENDS, SDPA_VARLEN, ULYSSES_ATTN, *PREFIX_FLASH.values())
 ATTN_CHOICES = ("auto", SDPA_VARLEN, "sdpa", "eager", "flex_attention", *FLASH_BACKENDS)
+
+
+def attn_implementation(attn: str) -> str:
+    """The ``attn_implementation`` a model is built with for backend ``attn``."""
+    return VARLEN_IMPLEMENTATION if attn == SDPA_VARLEN else attn
 
 
 def flash_attention_available(name: str) -> bool:
@@ -55,10 +73,11 @@ def is_flash(attn: str) -> bool:
     return attn in FLASH_BACKENDS
 
 
-def resolve_attn(name: str, device_type: str, needs_backward: bool = True) -> str:
+def resolve_attn(name: str, device_type: str, needs_backward: bool = True, dtype: str = "bf16") -> str:
     """The backend a run will use, or InputError; called before any process group starts.
 
-    ``auto`` is flash varlen on CUDA when flash-attn is importable, else sdpa_varlen:
+    ``auto`` is flash varlen on CUDA when flash-attn is importable and ``dtype`` (the
+    resolved --dtype) is half precision, else sdpa_varlen:
     exact, and on CPU 2.5x (4.5k-token row, 8 sequences) to 5.3x (10.7k tokens, 16
     sequences) faster than sdpa's dense block-diagonal mask for forward+backward of the
     bench model on dpo_en_demo rows (measured here, 1 thread, min of 3).
@@ -68,12 +87,15 @@ def resolve_attn(name: str, device_type: str, needs_backward: bool = True) -> st
     if name not in ATTN_CHOICES:
         raise InputError(f"--attn: unknown backend {name!r} (choices: {', '.join(ATTN_CHOICES)})")
     if name == "auto":
-        if device_type == "cuda":
+        if device_type == "cuda" and dtype != "fp32":
             for flash in FLASH_BACKENDS:
                 if flash_attention_available(flash):
                     return flash
         return SDPA_VARLEN
     if is_flash(name):
+        if dtype == "fp32":
+            raise InputError(f"--attn {name} with --dtype fp32: flash attention kernels run bf16/fp16 only; use "
+                             f"--dtype bf16 (or auto, bf16 on CUDA), or --attn {SDPA_VARLEN} for fp32")
         if device_type != "cuda":
             raise InputError(f"--attn {name}: needs a CUDA device, this run is on {device_type} "
                              f"(use --attn sdpa, eager or flex_attention)")
@@ -85,6 +107,70 @@ def resolve_attn(name: str, device_type: str, needs_backward: bool = True) -> st
         raise InputError("--attn flex_attention: torch has no FlexAttention backward on CPU "
                          "(training needs one); use --attn sdpa or eager on CPU")
     return name
+
+
+# ----------------------------------------------------------------------------- what a model's layers need
+
+# Layer kinds the per-sequence kernels implement (transformers' ``config.layer_types`` names).
+KERNEL_LAYER_TYPES = ("full_attention", "sliding_attention")
+# transformers' own flag on the model class for each of its attention backends.
+_TRANSFORMERS_SUPPORT_FLAG = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+                              "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def sliding_window_of(config) -> int | None:
+    """The sliding window of the model's sliding layers (None: every layer attends to the whole sequence).
+
+    Models with ``layer_types`` (Qwen2/3, Gemma 2/3, Qwen2-MoE) window only their
+    ``sliding_attention`` layers; those without (Mistral, Phi-3, Mixtral) window every
+    layer when ``sliding_window`` is set.  0 counts as none (Qwen2-MoE's "off").
+    """
+    text = _text_config(config)
+    window = getattr(text, "sliding_window", None) or None
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window) if window else None
+
+
+def attention_features(config) -> dict:
+    """The per-layer attention features of a model's config (the README's matrix names them)."""
+    text = _text_config(config)
+    return {"sliding_window": sliding_window_of(config),
+            "attn_logit_softcapping": getattr(text, "attn_logit_softcapping", None),
+            "final_logit_softcapping": getattr(text, "final_logit_softcapping", None)}
+
+
+def check_model_attention(config, attn: str, where: str) -> None:
+    """Phase one: the backend honours every attention feature of the model's layers, or one InputError naming the
+    model, the feature and a backend that works (before any weights or process group exist).
+
+    transformers refuses some combinations itself (Gemma 2 soft-caps its attention scores, which torch's sdpa
+    cannot: ``_supports_sdpa = False``), but only when the model is built, in every rank; the kernels of this
+    package (sdpa_varlen, the Ulysses local attention) implement causal, sliding-window and soft-capped layers,
+    and nothing else: chunked, bidirectional or other layer kinds are refused rather than run as causal.
+    """
+    text = _text_config(config)
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)  # None: remote code, unchecked
+    name = f"{where} ({getattr(text, 'model_type', '?')})"
+    flag = _TRANSFORMERS_SUPPORT_FLAG.get(attn)
+    if flag and model_class is not None and not getattr(model_class, flag, True):
+        softcap = getattr(text, "attn_logit_softcapping", None)
+        reason = (f"soft-caps its attention scores (attn_logit_softcapping {softcap:g}), which torch's sdpa cannot"
+                  if attn == "sdpa" and softcap is not None else f"has no {attn} attention in transformers")
+        raise InputError(f"--attn {attn}: {name} {reason}; use --attn {SDPA_VARLEN} or eager")
+    if attn == SDPA_VARLEN:  # also the local kernel of Ulysses (phase one passes it for sequence parallelism)
+        other = sorted(set(getattr(text, "layer_types", None) or ()) - set(KERNEL_LAYER_TYPES))
+        for feature, present in (("attention_chunk_size", getattr(text, "attention_chunk_size", None)),
+                                 ("use_bidirectional_attention", getattr(text, "use_bidirectional_attention", None)),
+                                 ("layer_types " + ", ".join(other), other)):
+            if present:
+                raise InputError(f"--attn {attn}: {name} has {feature}, which the per-sequence causal kernel does not "
+                                 f"implement; use --attn eager")
 
 
 def flash_varlen_kwargs(cu_seqlens, max_seqlen: int) -> dict:
@@ -114,16 +200,20 @@ def model_forward_kwargs(batch: ModelBatch, attn: str) -> dict:
     return kwargs
 
 
+# ----------------------------------------------------------------------------- a packed row's attention
+
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, sliding_window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Causal attention of every sequence of a packed row with itself only: ``[T, Hq, D]`` -> ``[T, Hq, D]``.
 
     ``query`` is ``[T, Hq, D]``, ``key``/``value`` ``[T, Hk, D]`` with ``Hq`` a multiple of
     ``Hk`` (grouped-query attention), the flash-attention varlen layout; ``cu_seqlens``
-    the sequence offsets ``[0, L0, L0+L1, ..., T]`` (tensor or ints).  One sdpa call per
-    sequence: exact, O(sum L^2) compute and memory, any device and dtype, differentiable.
-    torch has no varlen sdpa kernel outside CUDA (nested-tensor sdpa needs CUDA for
-    causal masks), hence the loop; its cost is one small kernel launch per sequence.
+    the sequence offsets ``[0, L0, L0+L1, ..., T]`` (tensor or ints).  One
+    :func:`attend_sequence` call per sequence: exact, O(sum L^2) compute and memory,
+    any device and dtype, differentiable; the window and the cap apply inside each
+    sequence.  torch has no varlen sdpa kernel outside CUDA (nested-tensor sdpa needs
+    CUDA for causal masks), hence the loop; its cost is one small kernel launch per sequence.
     """
     offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     if offsets[0] != 0 or offsets[-1] != query.shape[0]:
@@ -137,8 +227,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     # split (not slicing): its backward is one cat of the pieces' gradients, where every slice's
     # backward would write a zero-filled full-row gradient (O(sequences x T) memory traffic).
     pieces = [t.transpose(0, 1)[None].split(lengths, dim=2) for t in (query, key, value)]  # [1, H, L, D] views
-    outputs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-               for q, k, v in zip(*pieces)]
+    outputs = [attend_sequence(q, k, v, scale, sliding_window, softcap) for q, k, v in zip(*pieces)]
     return torch.cat(outputs, dim=2)[0].transpose(0, 1)
 
 
@@ -152,21 +241,48 @@ def _sequence_offsets(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([boundaries, boundaries.new_tensor([flat.numel()])])
 
 
+# Attention-function keyword arguments of features no kernel here implements: refused when set, never dropped.
+UNSUPPORTED_ATTENTION_KWARGS = ("s_aux", "sinks")
+
+
+def refuse_unsupported_kwargs(kernel: str, kwargs: dict) -> None:
+    """A layer feature the kernel would silently drop (attention sinks, ...) stops the forward instead."""
+    for name in UNSUPPORTED_ATTENTION_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attention {kernel!r}: the model's layers pass {name!r}, which it does not "
+                                      f"implement; use --attn eager")
+
+
 def _sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                         is_causal=None, **kwargs):
+                         is_causal=None, sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers' attention-function signature: q/k/v ``[B, H, L, D]``, returns ``([B, L, H, D], None)``.
 
-    With an attention mask (padded batches) this is plain sdpa.  Without, the row's
-    sequence boundaries come from the ``cu_seq_lens_q`` kwarg (``model_forward_kwargs``
-    passes it) or, failing that, from where ``position_ids`` restart.  A prefix-shared row (the
-    ``prefix_layout`` kwarg) runs :func:`~ds_packdpo.model.prefix_attention.shared_prefix_attention`.
+    Without a mask (packed rows) the row's sequence boundaries come from the
+    ``cu_seq_lens_q`` kwarg (``model_forward_kwargs`` passes it) or, failing that, from
+    where ``position_ids`` restart, and every sequence runs :func:`attend_sequence` with
+    the layer's window and cap.  With a mask (padded batches) it is sdpa on transformers'
+    mask (which holds the window), or the scores materialized when the layer soft-caps.  A
+    prefix-shared row (the ``prefix_layout`` kwarg) runs
+    :func:`~ds_packdpo.model.prefix_attention.shared_prefix_attention`, window and cap included.
     """
+    refuse_unsupported_kwargs(SDPA_VARLEN, kwargs)
     if kwargs.get("prefix_layout") is not None:
         return prefix_attention_forward(shared_prefix_attention, query, key, value, kwargs["prefix_layout"], dropout,
-                                        scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
+                                        scaling, sliding_window, softcap)
     if attention_mask is not None or dropout or query.shape[2] != key.shape[2]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        if softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, is_causal=is_causal, **kwargs)
+        if dropout:
+            raise NotImplementedError(f"attention {SDPA_VARLEN!r}: attention dropout with soft-capping")
+        groups = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        if attention_mask is None:
+            attention_mask = causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
+        elif attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0  # an additive float mask: 0 where attending
+        out = masked_attention(query, key, value, attention_mask, scaling, softcap)
+        return out.transpose(1, 2).contiguous(), None
     batch, heads, length, dim = query.shape
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None or batch != 1:
@@ -178,7 +294,8 @@ def _sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: flo
     def flat(t: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [B*L, H, D]
         return t.transpose(1, 2).reshape(batch * length, t.shape[1], dim)
 
-    out = varlen_attention(flat(query), flat(key), flat(value), cu_seqlens, scale=scaling)
+    out = varlen_attention(flat(query), flat(key), flat(value), cu_seqlens, scale=scaling,
+                           sliding_window=sliding_window, softcap=softcap)
     return out.reshape(batch, length, heads, dim), None
 
 
@@ -188,9 +305,9 @@ def _sdpa_varlen_mask(*args, attention_mask=None, **kwargs):
 
 
 def register_sdpa_varlen() -> None:
-    """Makes ``attn_implementation="sdpa_varlen"`` known to transformers (idempotent)."""
-    AttentionInterface.register(SDPA_VARLEN, _sdpa_varlen_forward)
-    AttentionMaskInterface.register(SDPA_VARLEN, _sdpa_varlen_mask)
+    """Makes sdpa_varlen's ``attn_implementation`` known to transformers (idempotent)."""
+    AttentionInterface.register(VARLEN_IMPLEMENTATION, _sdpa_varlen_forward)
+    AttentionMaskInterface.register(VARLEN_IMPLEMENTATION, _sdpa_varlen_mask)
 
 
 register_sdpa_varlen()

@@ -1,7 +1,9 @@
-"""Building or loading the causal LM: a local HF folder, or random weights from a config.
+"""Building or loading the causal LM: a local HF folder or a hub id, or random weights from a config.
 
 Random weights depend on the seed only, so a policy and a reference built alike are
-identical, and every rank of a run builds the same model.
+identical, and every rank of a run builds the same model.  :data:`ARCHITECTURES` is the
+matrix of tiny random-weight models of real transformers config classes on which the
+tests check that packing is exact (``--model-config tiny-<name>`` builds one).
 """
 
 from __future__ import annotations
@@ -10,29 +12,56 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig,
+                          MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config)
 
-from ..config import check_model_folder
 from ..errors import InputError, first_line
+from ..hub import check_model_source, hub_load_error, is_hub_id
+from .attention import attn_implementation
 
-TINY_CONFIGS = {"tiny": "llama", "tiny-qwen2": "qwen2"}
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keyed by config.DTYPES
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keyed by config.DTYPES (resolved)
+CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+                  "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config,
+                  "qwen2_moe": Qwen2MoeConfig}
+# The architecture matrix: (config class, what each exercises).  Windows are 8 tokens, so that test sequences
+# exceed them; soft-caps are small enough to bind on the small logits of random weights.
+SLIDING_WINDOW = 8
+ARCHITECTURES = {
+    "llama": ("llama", {}),
+    "qwen2-swa": ("qwen2", {"use_sliding_window": True, "sliding_window": SLIDING_WINDOW,
+                            "max_window_layers": 1}),  # layer 0 full, layer 1 sliding
+    "qwen3": ("qwen3", {}),  # q/k RMS norm per head
+    "mistral": ("mistral", {"sliding_window": SLIDING_WINDOW}),  # every layer sliding
+    "gemma2": ("gemma2", {"sliding_window": SLIDING_WINDOW, "query_pre_attn_scalar": 16, "tie_word_embeddings": True,
+                          "attn_logit_softcapping": 0.05, "final_logit_softcapping": 0.5}),  # sliding, full
+    "gemma3": ("gemma3", {"sliding_window": SLIDING_WINDOW, "query_pre_attn_scalar": 16, "tie_word_embeddings": True,
+                          "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 0.5}),
+    "phi3": ("phi3", {"sliding_window": SLIDING_WINDOW, "pad_token_id": 0, "eos_token_id": 2}),  # fused qkv
+    "olmo2": ("olmo2", {"pad_token_id": 0, "eos_token_id": 2}),  # q/k RMS norm over all heads
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 64}),
+}
+TINY_CONFIGS = {"tiny": "llama", "tiny-qwen2": "qwen2", **{f"tiny-{name}": name for name in ARCHITECTURES}}
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 1024, hidden_size: int = 64, layers: int = 2, heads: int = 4,
                 kv_heads: int = 2, max_position_embeddings: int = 4096, **overrides):
-    """A small random-weight config of a real architecture (grouped-query attention, RoPE)."""
-    config_classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
-    if arch not in config_classes:
-        raise ValueError(f"tiny_config: unknown arch {arch!r} (choices: {', '.join(config_classes)})")
+    """A small random-weight config of a real architecture (grouped-query attention, RoPE): ``arch`` is a
+    config class (:data:`CONFIG_CLASSES`) or an entry of the matrix (:data:`ARCHITECTURES`)."""
+    if arch in ARCHITECTURES:
+        arch, matrix = ARCHITECTURES[arch]
+        overrides = {**matrix, **overrides}
+    if arch not in CONFIG_CLASSES:
+        raise ValueError(f"tiny_config: unknown arch {arch!r} (choices: {', '.join([*CONFIG_CLASSES, *ARCHITECTURES])})")
     settings = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                    max_position_embeddings=max_position_embeddings, tie_word_embeddings=False)
-    return config_classes[arch](**{**settings, **overrides})
+                    head_dim=hidden_size // heads, max_position_embeddings=max_position_embeddings,
+                    tie_word_embeddings=False)
+    return CONFIG_CLASSES[arch](**{**settings, **overrides})
 
 
 def load_model_config(model_config: str, vocab_size: int, check_buildable: bool = False):
-    """'tiny' (Llama), 'tiny-qwen2', or a config.json / a folder holding one.
+    """A name of :data:`TINY_CONFIGS` ('tiny': Llama, 'tiny-mistral', ...), or a config.json / a folder holding one.
 
     ``check_buildable`` (phase one) also builds the model on the meta device, so that an
     impossible size fails before any rank starts.  Not when building the real model:
@@ -71,23 +100,38 @@ def _check_vocab(config, vocab_size: int, where: str) -> None:
 
 
 def build_model(model: str | None, model_config: str | None, vocab_size: int, dtype: torch.dtype, attn: str,
-                seed: int = 0, trust_remote_code: bool = False):
-    """``from_pretrained(model)`` for a local HF folder, else random weights from ``model_config`` (default 'tiny').
+                seed: int = 0, trust_remote_code: bool = False, revision: str | None = None):
+    """``from_pretrained(model)`` for a local HF folder or a hub id (at ``revision``), else random weights from
+    ``model_config`` (default 'tiny').
 
     Random weights depend on ``seed`` only (the global RNG is left as it was), so a
     policy and a reference built alike are identical.
     """
     if model is not None:
-        folder = check_model_folder(model)
+        check_model_source(model)
         try:
-            lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=attn,
-                                                      trust_remote_code=trust_remote_code)
+            lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=attn_implementation(attn),
+                                                      trust_remote_code=trust_remote_code, revision=revision)
         except (OSError, ValueError) as error:
+            if is_hub_id(model) and isinstance(error, OSError):
+                raise hub_load_error("--model", model, error) from None
             raise InputError(f"--model {model}: cannot load with --attn {attn} ({first_line(error)})") from None
         _check_vocab(lm.config, vocab_size, f"--model {model}")
         return lm
     config = load_model_config(model_config or "tiny", vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation(attn),
                                                 trust_remote_code=trust_remote_code)
+
+
+def load_pretrained_config(model: str, where: str = "--model", revision: str | None = None,
+                           trust_remote_code: bool = False):
+    """The HF config of a local folder or hub id (phase one: the config alone, no weights)."""
+    check_model_source(model, where)
+    try:
+        return AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        if is_hub_id(model) and isinstance(error, OSError):
+            raise hub_load_error(where, model, error) from None
+        raise InputError(f"{where} {model}: unreadable model config ({first_line(error)})") from None

@@ -15,7 +15,7 @@ Two implementations, one result:
   once per forward and once per backward, not once per chunk.
 
 Token log-probs are then summed per sequence with one ``index_add`` over the
-sequence index - no loop over sequences.  The scored tokens of a row
+sequence index (in fp64) - no loop over sequences.  The scored tokens of a row
 (:func:`scored_tokens`) are its labelled positions plus, in a prefix-shared row, each
 prompt's last position once more for the rejected completion's first token: one hidden
 state, two targets, still no ``[T, V]`` logits.
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .collate import ModelBatch
 
 __all__ = ["SequenceLogps", "sequence_logps", "model_forward_kwargs", "forward_logps", "completion_token_logps",
-           "lean_token_logps", "lean_lm_head", "scored_tokens", "LOGPS_IMPLS"]
+           "lean_token_logps", "lean_lm_head", "final_logit_softcap", "scored_tokens", "LOGPS_IMPLS"]
 
 
 @dataclass
@@ -132,15 +132,16 @@ def _plain_logps_at(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Ten
 
 
 def _per_sequence(seq, token_logps, mean_logit, num_sequences: int) -> SequenceLogps:
-    """Sums per canonical sequence; ``seq`` is the sequence of each scored token.  Accumulated in fp64, so a sum
-    does not depend on the order of its tokens (which the layouts differ in) beyond fp32 rounding of the result."""
+    """Sums per canonical sequence (``seq``: the sequence of each scored token), accumulated in fp64 and then cast
+    to fp32: ``index_add`` adds token by token, and in fp32 a 4,000-nat sum drifted by up to 1.5e-3 nats that way,
+    ~6x worse than a pairwise fp32 sum (and the layouts add a sequence's tokens in different orders)."""
     zeros = torch.zeros(num_sequences, dtype=torch.float64, device=token_logps.device)
 
-    def total(values: torch.Tensor) -> torch.Tensor:
+    def summed(values: torch.Tensor) -> torch.Tensor:
         return zeros.index_add(0, seq, values.double()).float()
 
-    return SequenceLogps(logps=total(token_logps), tokens=total(torch.ones_like(token_logps)),
-                         logits_sum=total(mean_logit))
+    return SequenceLogps(logps=summed(token_logps), tokens=summed(torch.ones_like(token_logps)),
+                         logits_sum=summed(mean_logit))
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.Tensor, num_sequences: int,
@@ -152,9 +153,10 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.
 
 # ----------------------------------------------------------------------------- lean: no [T, V] logits
 LOGPS_IMPLS = ("lean", "plain")
-# Config keys of architectures whose forward rescales or caps the lm_head output (Gemma 2/3, Cohere, Granite):
-# the lean path applies the lm_head itself and would skip that, so those models take the plain path.
-_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# Config keys of architectures whose forward rescales the lm_head output (Cohere, Granite): the lean path applies
+# the lm_head itself and would skip that, so those models take the plain path.  Gemma 2/3's final soft-cap
+# (``final_logit_softcapping``) the lean path applies itself (:func:`final_logit_softcap`).
+_LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def lean_lm_head(model) -> torch.nn.Module | None:
@@ -169,6 +171,20 @@ def lean_lm_head(model) -> torch.nn.Module | None:
     if any(getattr(config, key, None) not in (None, 1, 1.0) for key in _LOGIT_POSTPROCESSING):
         return None
     return head
+
+
+def final_logit_softcap(model) -> float | None:
+    """The model's final logit soft-cap (Gemma 2/3: logits = cap * tanh(logits / cap)), or None."""
+    cap = getattr(getattr(hf_model(model), "config", None), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits soft-capped as the model's forward caps them, tanh(logits / cap) for the backward) - or unchanged."""
+    if softcap is None:
+        return logits, None
+    squashed = torch.tanh(logits / softcap)
+    return squashed * softcap, squashed
 
 
 def _as_head_call(head: torch.nn.Linear, fn, *args):
@@ -204,22 +220,23 @@ class _LeanLabelLogProb(torch.autograd.Function):
     embedding's, for a tied weight) and ZeRO-3's gradient hook reduce-scatters them.  No collective runs inside
     the chunk loop, so ranks with different chunk counts stay in step.  Saved for backward: the selected hidden
     states, the low-rank inputs and one logsumexp per token; at most one chunk of logits (and its gradient)
-    exists at a time.
+    exists at a time.  ``softcap`` (Gemma) caps each chunk's logits in fp32 as the model's forward would, and
+    backward multiplies through the cap's derivative.
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, weight, bias, low_in, low_weight, head, low_head, spans):
+    def forward(ctx, hidden, targets, weight, bias, low_in, low_weight, head, low_head, spans, softcap):
         count = hidden.shape[0]
         token_logps = hidden.new_empty(count, dtype=torch.float32)
         logsumexp = hidden.new_empty(count, dtype=torch.float32)
         mean_logit = hidden.new_empty(count, dtype=torch.float32)
         for span in spans:
-            logits = _chunk_logits(hidden[span], weight, bias, low_in, low_weight, span)
+            logits, _ = _capped(_chunk_logits(hidden[span], weight, bias, low_in, low_weight, span), softcap)
             logsumexp[span] = torch.logsumexp(logits, dim=-1)
             token_logps[span] = logits.gather(1, targets[span, None]).squeeze(1) - logsumexp[span]
             mean_logit[span] = logits.mean(dim=-1)
         ctx.save_for_backward(hidden, targets, logsumexp, low_in)
-        ctx.head, ctx.low_head, ctx.spans = head, low_head, spans
+        ctx.head, ctx.low_head, ctx.spans, ctx.softcap = head, low_head, spans, softcap
         ctx.mark_non_differentiable(mean_logit)
         return token_logps, mean_logit
 
@@ -238,9 +255,12 @@ class _LeanLabelLogProb(torch.autograd.Function):
         for span in ctx.spans:
             chunk = hidden[span]
             g = grad_token_logps[span, None]
-            logits = _chunk_logits(chunk, weight, bias, low_in, low_weight, span)
+            logits, squashed = _capped(_chunk_logits(chunk, weight, bias, low_in, low_weight, span), ctx.softcap)
             grad_logits = (logits - logsumexp[span, None]).exp_().mul_(-g)
-            grad_logits = grad_logits.scatter_add_(1, targets[span, None], g).to(weight.dtype)
+            grad_logits = grad_logits.scatter_add_(1, targets[span, None], g)
+            if squashed is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh(x / cap)^2
+                grad_logits = grad_logits.mul_(1 - squashed.square_())
+            grad_logits = grad_logits.to(weight.dtype)
             if want_hidden:
                 grad_hidden[span] = grad_logits @ weight
             if want_weight:
@@ -251,7 +271,7 @@ class _LeanLabelLogProb(torch.autograd.Function):
                 grad_low_in[span] = grad_logits @ low_weight
             if want_low_weight:
                 grad_low_weight.addmm_(grad_logits.T, low_in[span])
-        return grad_hidden, None, grad_weight, grad_bias, grad_low_in, grad_low_weight, None, None, None
+        return grad_hidden, None, grad_weight, grad_bias, grad_low_in, grad_low_weight, None, None, None, None
 
 
 def _chunk_logits(chunk, weight, bias, low_in, low_weight, span) -> torch.Tensor:
@@ -262,19 +282,21 @@ def _chunk_logits(chunk, weight, bias, low_in, low_weight, span) -> torch.Tensor
     return logits.float()
 
 
-def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, chunk_tokens: int = 4096):
+def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, chunk_tokens: int = 4096,
+                     softcap: float | None = None):
     """Like :func:`completion_token_logps`, from final hidden states ``[N, L, H]`` and the lm_head (a linear
-    layer, or one with a LoRA adapter: its down-projection runs as a module, its up-projection joins the chunks)."""
+    layer, or one with a LoRA adapter: its down-projection runs as a module, its up-projection joins the chunks),
+    its output soft-capped at ``softcap`` first, as Gemma's forward does."""
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
-    token_logps, mean_logit = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens)
+    token_logps, mean_logit = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens, softcap)
     return rows, token_logps, mean_logit
 
 
 def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
-                   chunk_tokens: int):
+                   chunk_tokens: int, softcap: float | None = None):
     """Log-probs of ``targets`` from the hidden states at the flat positions ``rows`` (a row may repeat: its
-    gradient is summed by ``index_select``'s backward)."""
+    gradient is summed by ``index_select``'s backward), the logits soft-capped at ``softcap``."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
@@ -282,14 +304,16 @@ def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tens
     base, adapter = split_head(head)
     if adapter is None:
         return _as_head_call(
-            base, lambda x, y: _LeanLabelLogProb.apply(x, y, base.weight, base.bias, None, None, base, None, spans),
+            base, lambda x, y: _LeanLabelLogProb.apply(x, y, base.weight, base.bias, None, None, base, None, spans,
+                                                       softcap),
             selected, targets)
     low_in = adapter.down(adapter.dropout(selected)) * adapter.scaling
     up = adapter.up
 
     def with_adapter(x, y, z):  # inside the base head's call: the adapter's up-projection is whole too
         return _as_head_call(up, lambda x2, y2, z2: _LeanLabelLogProb.apply(x2, y2, base.weight, base.bias, z2,
-                                                                             up.weight, base, up, spans), x, y, z)
+                                                                             up.weight, base, up, spans, softcap),
+                             x, y, z)
 
     return _as_head_call(base, with_adapter, selected, targets, low_in)
 
@@ -316,7 +340,7 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096,
     """One forward of ``model`` (an nn.Module or a DeepSpeed engine) on ``batch``, reduced per sequence.
 
     ``impl="lean"`` never holds the ``[T, V]`` logits; a model whose logits are not
-    just its lm_head's output falls back to ``plain`` with a warning.
+    just its (soft-capped) lm_head's output falls back to ``plain`` with a warning.
     """
     if impl not in LOGPS_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(LOGPS_IMPLS)}, got {impl!r}")
@@ -330,5 +354,5 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096,
         token_logps, mean_logit = _plain_logps_at(logits, rows, targets, chunk_tokens)
     else:
         token_logps, mean_logit = _lean_logps_at(_final_hidden_states(model, batch, attn), rows, targets, head,
-                                                 chunk_tokens)
+                                                 chunk_tokens, final_logit_softcap(model))
     return _per_sequence(seq, token_logps, mean_logit, batch.num_sequences)

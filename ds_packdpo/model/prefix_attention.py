@@ -20,8 +20,10 @@ Kernels, every one exact:
   private ``aten`` ops and the hand-written backward (flash's backward evaluated with the
   merged output and log-sum-exp gives each key set's exact gradient share).
   Like :func:`~ds_packdpo.model.attention.varlen_attention` it keeps 4-D inputs with
-  repeated KV heads and ``split`` views (the fast CPU paths).  Sliding windows and
-  soft-capping take an explicit mask (and for soft-capping the math path): exact, slower.
+  repeated KV heads and ``split`` views (the fast CPU paths).  A sliding window that binds, or
+  soft-capping, takes the per-sequence kernel of every backend
+  (:func:`~ds_packdpo.model.sequence_attention.attend_sequence`) over the prompt's and the
+  rejected block's keys: exact, slower.
 * CUDA with flash-attn (:func:`flash_shared_prefix`): one varlen call, queries in row order,
   the prompt's keys and values gathered in front of every rejected block, separate
   ``cu_seqlens_q`` / ``cu_seqlens_k``; flash-attn >= 2.1 aligns the causal mask bottom-right
@@ -29,7 +31,7 @@ Kernels, every one exact:
   Windows and soft-capping go to flash as ``window_size`` / ``softcap``.
 
 A window of W follows transformers' ``sliding_window_overlay``: key j is visible to query i
-iff ``i - j < W`` (positions).
+iff ``i - j < W`` (positions; ``sequence_attention.causal_window_mask``).
 
 Under sequence parallelism the same kernels run locally after the Ulysses all-to-all
 (``run/sequence_parallel.py``).  At one rank, ``sdpa_varlen`` dispatches shared rows here,
@@ -49,6 +51,7 @@ from transformers.modeling_flash_attention_utils import (_flash_attention_forwar
 
 from ..errors import InputError
 from .collate import PrefixLayout
+from .sequence_attention import attend_sequence
 
 # attn_implementation of a model that runs flash-attn with prefix sharing (no "flash" in the name: transformers
 # would treat the name as its own flash backend).
@@ -88,33 +91,18 @@ class _PrefixedCausal(torch.autograd.Function):
         return dq_prefix + dq_own, dk_prefix, dv_prefix, dk_own, dv_own, None
 
 
-def _visible(queries: int, prefix: int, window: int | None, device) -> torch.Tensor:
-    """[queries, prefix + queries] bool: query i (position prefix + i) sees key j (position j)."""
-    query_pos = torch.arange(queries, device=device)[:, None] + prefix
-    key_pos = torch.arange(prefix + queries, device=device)[None]
-    visible = key_pos <= query_pos
-    return visible & (query_pos - key_pos < window) if window else visible
-
-
 def _block_attention(q, k_prefix, v_prefix, k_own, v_own, scale: float, window: int | None,
                      softcap: float | None) -> torch.Tensor:
     """``q`` [1, H, Lq, D] over the prefix keys (positions 0..Lp-1, none when ``k_prefix`` is None) and its own Lq
-    keys (causal), aligned bottom-right; returns [1, H, Lq, D]."""
-    queries, prefix = q.shape[2], 0 if k_prefix is None else k_prefix.shape[2]
-    windowed = window is not None and window < prefix + queries
-    if not (windowed or softcap):
-        if not prefix:
-            return torch.nn.functional.scaled_dot_product_attention(q, k_own, v_own, is_causal=True, scale=scale)
-        if q.device.type == "cpu":
-            return _PrefixedCausal.apply(q, k_prefix, v_prefix, k_own, v_own, scale)
-    k, v = (own if other is None else torch.cat([other, own], dim=2)
-            for other, own in ((k_prefix, k_own), (v_prefix, v_own)))
-    visible = _visible(queries, prefix, window if windowed else None, q.device)
-    if not softcap:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~visible, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    keys (causal), aligned bottom-right; returns [1, H, Lq, D].  A window that binds or a soft-cap goes to the
+    per-sequence kernel over the concatenated keys (exact, slower)."""
+    prefix = 0 if k_prefix is None else k_prefix.shape[2]
+    binds = window is not None and window < prefix + q.shape[2]
+    if prefix and q.device.type == "cpu" and not (binds or softcap):
+        return _PrefixedCausal.apply(q, k_prefix, v_prefix, k_own, v_own, scale)
+    if prefix:
+        k_own, v_own = torch.cat([k_prefix, k_own], dim=2), torch.cat([v_prefix, v_own], dim=2)
+    return attend_sequence(q, k_own, v_own, scale, window, softcap)
 
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PrefixLayout,

@@ -13,21 +13,23 @@ sequence-parallel set-up, so every command runs every layout it accepts the same
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..config import TrainConfig
+from ..config import TrainConfig, resolve_dtype
 from ..data.plan import PlanConfig
 from ..data.prepare import PreparedPairs
 from ..data.run_plan import checked_plan_config, total_steps
 from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
-from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, resolve_attn
+from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, check_model_attention, is_flash, resolve_attn
 from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
@@ -37,7 +39,7 @@ from ..model.losses import LossConfig
 from ..model.prefix_attention import PREFIX_FLASH
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
 from .engines import (build_evaluated_policy, build_policy, build_reference, fill_ds_config, load_ds_config, load_model,
-                      model_config, model_hidden_size, zero_stage)
+                      model_config, reference_model_config, zero_stage)
 from .evaluation import HeldOut, held_out_set
 from .layout import ParallelLayout
 from .process_group import init_process_group
@@ -129,7 +131,7 @@ def model_source(cfg: TrainConfig) -> str:
     return f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
 
 
-def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int) -> None:
+def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, hf_config) -> None:
     """What a sequence-parallel layout needs of the settings and the model, before any weights exist."""
     if layout.sp_size == 1:
         return
@@ -137,14 +139,35 @@ def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, v
     if not cfg.packing:
         raise InputError(f"--sequence-parallel-size {layout.sp_size} splits packed rows; it cannot be combined with "
                          f"--no-packing")
-    check_model_heads(model_config(cfg, vocab_size), layout.sp_size, model_source(cfg))
+    check_model_heads(hf_config, layout.sp_size, model_source(cfg))
 
 
-def check_lora_settings(cfg: TrainConfig, vocab_size: int) -> None:
+def check_lora_settings(cfg: TrainConfig, hf_config) -> None:
     """--lora-*: the adapters fit the model (placed on its skeleton, with no weights)."""
     lora = LoraSettings.of(cfg)
     if lora is not None:
-        check_adapters(lora, model_config(cfg, vocab_size), model_source(cfg), cfg.trust_remote_code)
+        check_adapters(lora, hf_config, model_source(cfg), cfg.trust_remote_code)
+
+
+def check_models(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int):
+    """Phase one's look at the models' configs (no weights): the backend honours every attention feature of the
+    policy and the reference (sliding windows, soft-caps, ...), the layout fits their heads; a mixture-of-experts
+    router loss is named as excluded.  Returns the policy's HF config."""
+    hf_config = model_config(cfg, vocab_size)
+    # Under sequence parallelism the model's attention is Ulysses around the local kernel: the per-sequence kernel
+    # of sdpa_varlen for sdpa too, or flash varlen.
+    kernel = SDPA_VARLEN if layout.sp_size > 1 and not is_flash(attn) else attn
+    check_model_attention(hf_config, kernel, model_source(cfg))
+    if cfg.ref_model is not None:
+        check_model_attention(reference_model_config(cfg, vocab_size), kernel, f"--ref-model {cfg.ref_model}")
+    check_layout_settings(cfg, layout, attn, hf_config)
+    if getattr(hf_config, "output_router_logits", False):
+        # DPO's loss is a sum over pairs; a router load-balancing loss is one per packed row (over all its
+        # tokens), which would make the loss depend on how pairs are packed (invariant 2).
+        warnings.warn(f"{model_source(cfg)}: the mixture-of-experts router auxiliary loss (output_router_logits, "
+                      f"router_aux_loss_coef {getattr(hf_config, 'router_aux_loss_coef', None)}) is not added to "
+                      f"the DPO loss", stacklevel=2)
+    return hf_config
 
 
 def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None) -> RunSetup:
@@ -152,12 +175,14 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
 
     ``world_size`` is the launch's when called before launching (the front command);
     under a launcher the layout comes from its environment.  ``check`` runs in one
-    process.
+    process.  ``--dtype auto`` is resolved here: the set-up's settings name the dtype
+    that runs.
     """
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
     device_type = get_accelerator().device_name()
-    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS)
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device_type))
+    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS, dtype=cfg.dtype)
     loss_cfg = cfg.loss_config()
     raw_ds, ds_source = load_ds_config(cfg.ds_config)
     layout = ParallelLayout.from_launch(cfg.sequence_parallel_size, zero_stage(raw_ds),
@@ -170,8 +195,8 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     if command != "check":  # check reports packing alone for a backend that cannot share prefixes
         check_prefix_sharing(cfg, attn, layout)
     tokenizer, rows = tokenizer_and_rows(cfg)
-    check_layout_settings(cfg, layout, attn, len(tokenizer))
-    check_lora_settings(cfg, len(tokenizer))
+    hf_config = check_models(cfg, layout, attn, len(tokenizer))
+    check_lora_settings(cfg, hf_config)
     prepared = prepare_run_data(cfg, tokenizer, rows)
     held_out = None
     if command in EVALUATING_COMMANDS:
@@ -180,7 +205,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
         held_out = prepared
     plan_cfg = checked_plan_config(cfg, layout, prepared)
     schedule = run_schedule(cfg, total_steps(cfg, plan_cfg, prepared))
-    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, model_hidden_size(cfg, len(tokenizer)),
+    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, int(getattr(hf_config, "hidden_size", 1024)),
                                device_type, schedule)
     setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg,
                      schedule)
@@ -219,6 +244,7 @@ class Run:
     policy: object | None  # the DeepSpeed policy engine (None for precompute-ref)
     reference: object | None  # a reference engine or module, a PrecomputedReference, AdaptersOff, or None (SimPO)
     sequence_parallel: SequenceParallel | None
+    packing_check: dict | None = None  # the start-up guard's report (None: padded, or --skip-packing-check)
 
     @property
     def device(self) -> torch.device:
@@ -260,10 +286,11 @@ class Run:
 
     def check_packing(self) -> None:
         """The start-up guard (packed runs): packed log-probs, in the run's layout (prefix-shared or not), equal each
-        sequence alone, on every rank together."""
+        sequence alone (eager), on every rank together."""
         model = self.policy if self.policy is not None else self.reference
-        assert_packing_exact(model, self.setup.model_attn, self.setup.vocab_size, self.setup.pad_token_id,
-                             device=self.device, forward=self._forward, shared_prefix=self.setup.prefix_sharing)
+        self.packing_check = assert_packing_exact(model, self.setup.model_attn, self.setup.vocab_size,
+                                                  self.setup.pad_token_id, device=self.device, forward=self._forward,
+                                                  shared_prefix=self.setup.prefix_sharing)
 
     def close(self) -> None:
         """Frees the engines before the next run of this process is built (a bench's next configuration)."""

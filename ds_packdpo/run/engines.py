@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from importlib import resources
 from pathlib import Path
 
 import deepspeed
@@ -20,12 +21,11 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
 from pydantic import ValidationError
-from transformers import AutoConfig
 from transformers.integrations import HfDeepSpeedConfig
 
-from ..config import REPO_DS_CONFIGS, TrainConfig
+from ..config import TrainConfig
 from ..errors import InputError, first_line
-from ..model.build import TORCH_DTYPES, build_model, load_model_config
+from ..model.build import TORCH_DTYPES, build_model, load_model_config, load_pretrained_config
 from ..model.lora import LoraSettings, add_adapters
 from ..model.param_groups import weight_decay_groups
 from .schedule import DEEPSPEED_SCHEDULERS, Schedule, start_schedule
@@ -39,14 +39,23 @@ _SECTION_OF_MODEL = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16C
                      "DeepSpeedFP16Config": "fp16"}
 
 
+# The built-in DeepSpeed configs ship inside the package (the checkout's top-level ds_configs/ links here), so an
+# installed package finds them as well as a source checkout.
+BUILTIN_DS_CONFIGS = resources.files("ds_packdpo") / "ds_configs"
+
+
+def builtin_ds_configs() -> list[str]:
+    return sorted(entry.name.removesuffix(".json") for entry in BUILTIN_DS_CONFIGS.iterdir()
+                  if entry.name.endswith(".json"))
+
+
 def load_ds_config(name_or_path: str) -> tuple[dict, str]:
-    """Reads a DeepSpeed JSON config by ds_configs/ name or path; returns (config, path)."""
+    """Reads a DeepSpeed JSON config by built-in name (zero3, ...) or path; returns (config, path)."""
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
-        path = REPO_DS_CONFIGS / f"{name_or_path}.json"
+        path = BUILTIN_DS_CONFIGS / f"{name_or_path}.json"
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in REPO_DS_CONFIGS.glob("*.json")))
-        raise InputError(f"--ds-config {name_or_path}: no such file (built-in names: {known})")
+        raise InputError(f"--ds-config {name_or_path}: no such file (built-in names: {', '.join(builtin_ds_configs())})")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -218,7 +227,8 @@ def load_model(cfg: TrainConfig, model_path: str | None, vocab_size: int, attn: 
     keep_alive = HfDeepSpeedConfig(ds_config) if ds_config is not None and zero_stage(ds_config) == 3 else None
     torch.manual_seed(cfg.seed)  # policy and reference built from a config get identical weights
     model = build_model(model_path, cfg.model_config if model_path is None else None, vocab_size,
-                        TORCH_DTYPES[cfg.dtype], attn, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+                        TORCH_DTYPES[cfg.dtype], attn, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
+                        revision=cfg.revision if model_path == cfg.model else None)
     del keep_alive
     return model
 
@@ -294,12 +304,14 @@ def _frozen(cfg: TrainConfig, model_path: str | None, ref_ds: dict, vocab_size: 
 
 
 def model_config(cfg: TrainConfig, vocab_size: int):
-    """The policy's HF config alone (cheap: no weights)."""
+    """The policy's HF config alone (cheap: no weights; a hub id fetches its config.json into the hub cache)."""
     if cfg.model is not None:
-        return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        return load_pretrained_config(cfg.model, "--model", cfg.revision, cfg.trust_remote_code)
     return load_model_config(cfg.model_config or "tiny", vocab_size, check_buildable=True)
 
 
-def model_hidden_size(cfg: TrainConfig, vocab_size: int) -> int:
-    """Hidden size from the model config, for DeepSpeed's bucket sizes."""
-    return int(getattr(model_config(cfg, vocab_size), "hidden_size", 1024))
+def reference_model_config(cfg: TrainConfig, vocab_size: int):
+    """The reference's HF config: --ref-model's, else the policy's."""
+    if cfg.ref_model is not None:
+        return load_pretrained_config(cfg.ref_model, "--ref-model", None, cfg.trust_remote_code)
+    return model_config(cfg, vocab_size)

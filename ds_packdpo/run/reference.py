@@ -9,8 +9,8 @@ The file is ``FILE`` (JSON lines, or Parquet for a name ending in ``.parquet``),
 one record per pair: ``pair_id``, ``chosen_logps``, ``rejected_logps`` and the
 completion token counts (IPO normalizes per token), next to ``FILE.meta.json``
 holding the fingerprint of everything that decides those numbers: the reference
-model (a folder: its config and weight files; a built config: the config and the
-seed), the tokenizer, the tokenized dataset (content, format, truncation) and the
+model (a folder: its config and weight files; a hub id: its commit; a built config:
+the config and the seed), the tokenizer, the tokenized dataset (content, format, truncation) and the
 dtype.  A run whose fingerprint differs, or a pair missing from the file, is an
 :class:`InputError` before any process group starts.
 """
@@ -29,6 +29,7 @@ import torch
 from ..data.prepare import tokenizer_fingerprint
 from ..errors import InputError
 from ..files import atomic_write
+from ..hub import hub_commit, is_hub_id
 from ..model.build import load_model_config
 from ..model.logps import SequenceLogps
 from .engines import zero_stage
@@ -50,7 +51,8 @@ def _sha256_json(value) -> str:
 
 
 def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
-    """Identity of the reference model: a folder's config + weight files (content), or a built config + seed.
+    """Identity of the reference model: a folder's config + weight files (content), a hub id's commit, or a built
+    config + seed.
 
     Random weights built under ZeRO-3 (``deepspeed.zero.Init``) differ from those
     built without it for the same seed (seen here), hence ``zero_init``.
@@ -63,6 +65,10 @@ def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
         config = load_model_config(cfg.model_config or "tiny", vocab_size).to_dict()
         config.pop("transformers_version", None)
         return {"config_sha256": _sha256_json(config), "seed": cfg.seed, "zero_init": zero_init}
+    if is_hub_id(folder):  # a hub commit names its files exactly; phase one has its config.json in the hub cache
+        revision = cfg.revision if folder == cfg.model else None
+        where = "--ref-model" if cfg.ref_model else "--model"
+        return {"hub_id": folder, "commit": hub_commit(folder, revision, where)}
     digest = hashlib.sha256()
     for path in sorted(Path(folder).iterdir()):
         if path.name == "config.json" or path.suffix in _MODEL_FILE_SUFFIXES:

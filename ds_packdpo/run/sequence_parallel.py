@@ -38,13 +38,13 @@ from deepspeed.sequence.layer import DistributedAttention
 from transformers import AttentionInterface, modeling_flash_attention_utils
 
 from ..errors import InputError
-from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, varlen_attention
+from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, refuse_unsupported_kwargs, varlen_attention
 from ..model.collate import IGNORE_INDEX, ModelBatch, PrefixLayout
 from ..model.logps import SequenceLogps, forward_logps
 from ..model.prefix_attention import flash_shared_prefix, shared_prefix_attention
 from .layout import ParallelLayout
 
-# (q, k, v, cu_seqlens, max_seqlen, *, scale) -> out; q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0, out [T, Hq, D].
+# (q, k, v, cu_seqlens, max_seqlen, *, scale, sliding_window, softcap) -> out; q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0, out [T, Hq, D].
 LocalVarlenAttention = Callable[..., torch.Tensor]
 
 
@@ -133,20 +133,32 @@ def slice_row(batch: ModelBatch, sp_size: int, sp_rank: int, pad_token_id: int) 
 
 
 def segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                 *, scale: float | None = None) -> torch.Tensor:
-    """The exact per-sequence sdpa of :func:`attention.varlen_attention` in flash's varlen signature
-    (``max_seqlen`` unused): never the [T, T] mask of the very rows sequence parallelism is for."""
+                 *, scale: float | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+    """The exact per-sequence attention of :func:`attention.varlen_attention` (window and cap included) in flash's
+    varlen signature (``max_seqlen`` unused): never the [T, T] mask of the very rows sequence parallelism is for."""
     del max_seqlen
-    return varlen_attention(q, k, v, cu_seqlens, scale=scale)
+    return varlen_attention(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window, softcap=softcap)
 
 
 def flash_varlen(attn: str) -> LocalVarlenAttention:
-    """The varlen kernel of flash-attn 2 or 3 (CUDA), resolved by transformers, imported only here."""
+    """The varlen kernel of flash-attn 2 or 3 (CUDA), resolved by transformers, imported only here.
+
+    A layer's sliding window becomes flash's ``window_size=(w - 1, w - 1)`` (with ``causal`` only the
+    left bound acts: the last w positions, the query's own included, transformers' meaning) and its
+    attention soft-cap flash's ``softcap`` (flash-attn >= 2.6; flash-attn 3).
+    """
     varlen_fn = modeling_flash_attention_utils.lazy_import_flash_attention(attn)[0][1]
 
-    def attend(q, k, v, cu_seqlens, max_seqlen, *, scale=None):
+    def attend(q, k, v, cu_seqlens, max_seqlen, *, scale=None, sliding_window=None, softcap=None):
         cu = cu_seqlens.to(dtype=torch.int32)
-        out = varlen_fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), softmax_scale=scale, causal=True)
+        features = {}
+        if sliding_window and sliding_window < int(max_seqlen):
+            features["window_size"] = (sliding_window - 1, sliding_window - 1)
+        if softcap is not None:
+            features["softcap"] = softcap
+        out = varlen_fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), softmax_scale=scale, causal=True,
+                        **features)
         return out[0] if isinstance(out, tuple) else out  # some flash-attn 3 builds also return the LSE
 
     return attend
@@ -176,22 +188,21 @@ _ULYSSES: _Ulysses | None = None
 
 
 def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
-                       cu_seq_lens_q=None, max_length_q=None, prefix_layout: PrefixLayout | None = None, **kwargs):
+                       cu_seq_lens_q=None, max_length_q=None, sliding_window=None, softcap=None,
+                       prefix_layout: PrefixLayout | None = None, **kwargs):
     """transformers attention function: q/k/v [1, heads, T/S, dim] of this rank's slice -> [1, T/S, heads, dim].
 
     The whole row's boundaries arrive as the varlen kwargs ``cu_seq_lens_q`` /
     ``max_length_q`` (see :func:`ds_packdpo.attention.model_forward_kwargs`), or for a
     prefix-shared row as its ``prefix_layout``; the mask transformers would build for the
-    local slice is meaningless and ignored.
+    local slice is meaningless and ignored.  The layer's sliding window and soft-cap go
+    to the local kernel, which applies them per sequence.
     """
     del attention_mask
+    refuse_unsupported_kwargs(ULYSSES_ATTN, kwargs)
     if _ULYSSES is None:
         raise RuntimeError(f"attention {ULYSSES_ATTN!r} used before register_ulysses_attention()")
-    shared = {}
-    if prefix_layout is not None:
-        shared = {"prefix_layout": prefix_layout, "sliding_window": kwargs.get("sliding_window"),
-                  "softcap": kwargs.get("softcap")}
-    elif cu_seq_lens_q is None:
+    if prefix_layout is None and cu_seq_lens_q is None:
         raise RuntimeError(f"attention {ULYSSES_ATTN!r} needs the whole row's cu_seqlens (cu_seq_lens_q)")
     if dropout:
         raise NotImplementedError("attention dropout under sequence parallelism")
@@ -200,7 +211,8 @@ def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, 
         key, value = key.repeat_interleave(factor, dim=1), value.repeat_interleave(factor, dim=1)
     # DistributedAttention's layout: [seq, batch, heads, dim], batch in dim 1 (scatter heads, gather sequence).
     q, k, v = (x.permute(2, 0, 1, 3) for x in (query, key, value))
-    out = _ULYSSES.attention(q, k, v, 1, None, cu_seq_lens_q, max_length_q, scale=scaling, **shared)
+    out = _ULYSSES.attention(q, k, v, 1, None, cu_seq_lens_q, max_length_q, scale=scaling,
+                             sliding_window=sliding_window, softcap=softcap, prefix_layout=prefix_layout)
     return out.permute(1, 0, 2, 3), None
 
 
@@ -208,10 +220,10 @@ def _local_on_row(local: LocalVarlenAttention, shared):
     """Adapts a (q, k, v, cu_seqlens, max_seqlen) kernel on [T, heads, dim], and the ``shared`` kernel of
     prefix-shared rows, to DistributedAttention's [T, 1, h, d]."""
 
-    def attend(q, k, v, cu_seqlens, max_seqlen, scale=None, prefix_layout=None, **window):
+    def attend(q, k, v, cu_seqlens, max_seqlen, prefix_layout=None, **features):  # scale, sliding_window, softcap
         if prefix_layout is not None:
-            return shared(q[:, 0], k[:, 0], v[:, 0], prefix_layout, scale=scale, **window)[:, None]
-        return local(q[:, 0], k[:, 0], v[:, 0], cu_seqlens, max_seqlen, scale=scale)[:, None]
+            return shared(q[:, 0], k[:, 0], v[:, 0], prefix_layout, **features)[:, None]
+        return local(q[:, 0], k[:, 0], v[:, 0], cu_seqlens, max_seqlen, **features)[:, None]
 
     return attend
 
