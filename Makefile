@@ -3,6 +3,9 @@ PY := .venv/bin/python
 export DS_ACCELERATOR ?= cpu
 # torch's JIT extensions (DeepSpeed's CPU comm op) per venv: the shared default makes checkouts rebuild for each other
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
+# The venv's tools first (as the tests' launches have them): its ninja builds that op; another ninja on PATH would
+# find the build log of a different ninja version and rebuild the op (2-3 minutes) between `make demo` and the tests.
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
 .PHONY: install demo test
 install: .venv/.installed

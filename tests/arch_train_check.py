@@ -24,10 +24,10 @@ from ds_packdpo.data.synthetic import default_tokenizer, synthetic_preference_ro
 from ds_packdpo.model.build import ARCHITECTURES, build_model
 from ds_packdpo.model.collate import collate_padded
 from ds_packdpo.model.guard import each_sequence_alone
-from ds_packdpo.run.assemble import assemble
+from ds_packdpo.run.assemble import prepare, start
 from ds_packdpo.run.process_group import close_process_group, init_process_group
 from ds_packdpo.run.layout import ParallelLayout
-from ds_packdpo.run.trainer import train_loop
+from ds_packdpo.run.trainer import plan_summary, train_loop
 
 PAIRS = 12
 THREE_STEPS = ("mistral", "gemma3")
@@ -75,8 +75,9 @@ def main(workdir: str, out_path: str) -> None:
         started = time.perf_counter()
         cfg = parse_train_args(["--model", str(folder), "--output-dir", str(workdir / arch / "run"), "--cache-dir",
                                 str(workdir / "cache"), "--max-steps", str(steps), *FLAGS])
-        run = assemble(cfg, "train")
-        history = train_loop(run)
+        setup = prepare(cfg, "train")
+        run = start(setup)
+        history = train_loop(run, plan_summary(setup))
         result = {"attn": run.setup.attn, "guard": run.packing_check,
                   "metrics": [{k: s[k] for k in ("loss", "grad_norm", "logps/chosen", "logps/rejected")}
                               for s in history]}

@@ -74,3 +74,16 @@ def dataset_writer(tmp_path):
 def cache_dir(tmp_path) -> str:
     """A per-test tokenization cache folder, so tests never share or pollute ~/.cache."""
     return str(tmp_path / "cache")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """The front command in-process with no launcher: starting one fails the test (bad input must stop before)."""
+    from ds_packdpo import cli
+
+    def launch_tripwire(*args, **kwargs):
+        raise AssertionError("the launcher started although the input is bad")
+
+    monkeypatch.setattr(cli, "_launch", launch_tripwire)
+    for key in cli.LAUNCHED_ENV:
+        monkeypatch.delenv(key, raising=False)

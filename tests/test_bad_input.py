@@ -59,15 +59,8 @@ def assert_one_line_error(code: int, stderr: str, *parts: str) -> str:
 
 
 @pytest.fixture
-def train_front(tmp_path, out_dir, tokenizer_dir, monkeypatch, capsys):
+def train_front(tmp_path, out_dir, tokenizer_dir, no_launch, capsys):
     """``ds-packdpo train FLAGS`` in-process; asserts the one-line error, exit 2 and an untouched output folder."""
-    def launch_tripwire(*args, **kwargs):
-        raise AssertionError("the launcher started although the input is bad")
-
-    monkeypatch.setattr(cli, "_launch", launch_tripwire)
-    for key in cli.LAUNCHED_ENV:
-        monkeypatch.delenv(key, raising=False)
-
     def check(*flags: str, parts: tuple[str, ...]) -> str:
         before = snapshot(out_dir)
         code = cli.main(["train", *base_flags(tmp_path, out_dir, tokenizer_dir), *flags])
@@ -235,11 +228,8 @@ def test_impossible_configurations(case, tmp_path, train_front):
     train_front(*make(tmp_path), parts=(expected,))
 
 
-def test_eval_needs_the_trained_model_and_its_reference(tmp_path, monkeypatch, capsys):
+def test_eval_needs_the_trained_model_and_its_reference(tmp_path, no_launch, capsys):
     """``ds-packdpo eval`` without --model, or without the model it was trained from: refused before any launch."""
-    monkeypatch.setattr(cli, "_launch", lambda *a, **k: pytest.fail("the launcher started although the input is bad"))
-    for key in cli.LAUNCHED_ENV:
-        monkeypatch.delenv(key, raising=False)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")

@@ -108,8 +108,9 @@ def step_logps(model, tmp_path: Path, step: int, tokenizer) -> tuple[float, floa
     return float(out.chosen_logps.mean()), float(out.rejected_logps.mean())
 
 
-# A warm-up, then a cosine decay to a floor: the resumes below land in the middle of it.
-SCHEDULE = ("--lr-scheduler", "cosine", "--warmup-steps", "2", "--min-lr-ratio", "0.1")
+# A warm-up, then a cosine decay to a floor: the resumes below land in the middle of it.  Weight decay makes the
+# optimizer's two parameter groups differ (a resume that decays the no-decay group moves the final weights).
+SCHEDULE = ("--lr-scheduler", "cosine", "--warmup-steps", "2", "--min-lr-ratio", "0.1", "--weight-decay", "0.1")
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +202,7 @@ def test_sharded_export_and_resume_on_another_layout(tmp_path, capsys, two_rank_
     """The 2-rank ZeRO-3 checkpoint of step 3: exported in shards of at most 200 KB it loads with from_pretrained
     and equals today's single-file export (zero_to_fp32's whole state dict -> save_pretrained); resumed on 1 rank
     with --allow-new-layout (DeepSpeed's universal format), steps 4-6 continue the 2-rank run, the middle of its cosine
-    LR schedule included."""
+    LR schedule and Adam's bias correction in both parameter groups included (run/universal.py load_universal)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM

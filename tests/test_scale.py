@@ -142,7 +142,7 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
 
 
 # ----------------------------------------------------------------------------- held-out split
-def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer, capsys, monkeypatch):
+def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer, capsys, no_launch):
     """The split is by content: no training step holds a held-out pair (nor an exact copy of one), the same pairs
     are held out whatever the seed and the row order, and the plan's fingerprint records the fraction."""
     rows = synthetic_preference_rows(200, seed=3)
@@ -152,9 +152,6 @@ def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer,
     shuffled = tmp_path / "shuffled.json"
     shuffled.write_text(json.dumps([rows[i] for i in np.random.default_rng(0).permutation(len(rows))]))
     demo_tokenizer.save_pretrained(tmp_path / "tok")
-    monkeypatch.setattr(cli, "_launch", lambda *a, **k: pytest.fail("bench launched with evaluation flags"))
-    for key in cli.LAUNCHED_ENV:
-        monkeypatch.delenv(key, raising=False)
     base = ["--max-length", "96", "--global-batch-pairs", "16", "--cache-dir", str(tmp_path / "cache"),
             "--output-dir", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok"), "--eval-fraction", "0.2"]
 

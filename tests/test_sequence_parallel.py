@@ -123,9 +123,11 @@ def _rank_main(rank: int, port: int, results):
     import deepspeed
 
     from ds_packdpo.model.logps import forward_logps
+    from ds_packdpo.run.process_group import release_shm_buffer
     from ds_packdpo.run.sequence_parallel import init_sequence_parallel
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    release_shm_buffer()
     sp, _ = init_sequence_parallel(ParallelLayout(2, 2, rank), "sdpa", PAD)
     # pairs long enough that sequences straddle the slice boundary; odd total length exercises the padding
     pairs = synthetic_pairs(3, vocab_size=128, seed=8, max_tokens=20)

@@ -27,6 +27,7 @@ from ds_packdpo.model.collate import collate_packed
 from ds_packdpo.model.logps import forward_logps
 from ds_packdpo.model.build import tiny_config
 from ds_packdpo.model.guard import synthetic_pairs
+from ds_packdpo.run.process_group import release_shm_buffer
 
 DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -55,6 +56,7 @@ def count_gathers_of(module: torch.nn.Module, weight: torch.nn.Parameter) -> lis
 
 def main(out_path: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
+    release_shm_buffer()
     rank = dist.get_rank()
     rows = [synthetic_pairs(3 if rank == 0 else 1, VOCAB, seed=10 + rank, max_tokens=20),
             synthetic_pairs(2, VOCAB, seed=20) if rank == 0 else []]

@@ -50,7 +50,7 @@ from ..errors import InputError
 from ..files import atomic_write, fsync_dir, fsync_tree
 from ..model.lora import LoraSettings, save_adapter_config
 from .layout import ParallelLayout, describe_sizes
-from .universal import UNIVERSAL_FOLDER, check_convertible, seed_new_rank
+from .universal import UNIVERSAL_FOLDER, check_convertible, load_universal, seed_new_rank
 
 STATE_FILE = "ds_packdpo_state.json"
 HF_FOLDER = "hf"
@@ -342,8 +342,11 @@ class Checkpointer:
                                                                                    point.tag_dir.name)
         if not (load_dir / tag).is_dir():
             raise RuntimeError(f"checkpoint {load_dir / tag} is missing (phase one on rank 0 converts it)")
-        load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                                         load_lr_scheduler_states=True)
+        if point.universal:
+            load_path, client_state = load_universal(engine, load_dir)
+        else:
+            load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                             load_lr_scheduler_states=True)
         if load_path is None or CLIENT_STATE_KEY not in (client_state or {}):
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {load_dir / tag}")
         if client_state[CLIENT_STATE_KEY]["position"]["global_step"] != point.global_step:

@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import deepspeed
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from .layout import ParallelLayout, free_port, launched
 
 # Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+SHM_DIR = Path("/dev/shm")
 
 
 def init_process_group(layout: ParallelLayout, collective_timeout_s: float) -> None:
@@ -44,7 +46,30 @@ def init_process_group(layout: ParallelLayout, collective_timeout_s: float) -> N
                 os.environ["MASTER_ADDR"] = master_addr
         deepspeed.init_distributed(timeout=timedelta(seconds=collective_timeout_s), auto_mpi_discovery=True,
                                    verbose=False)
+        release_shm_buffer()
     layout.check_process_group(dist.get_rank(), dist.get_world_size())
+
+
+def shm_buffer_path(rank: int) -> Path:
+    """The shared-memory file of DeepSpeed's CPU comm op for ``rank`` of this job (deepspeed/ops/csrc/cpu/comm/
+    shm.cpp names it by user, rendezvous address and port, and rank)."""
+    return SHM_DIR / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                      f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def release_shm_buffer() -> None:
+    """Unlinks this rank's 66 MB /dev/shm buffer of DeepSpeed's CPU comm op once every rank has mapped it.
+
+    ``init_distributed`` builds the op on CPU and, when every rank is on one node, each rank creates its buffer
+    there and maps every other rank's, but nothing ever unlinks them: each job left 66 MB per rank in /dev/shm
+    (memory) for good, and a day of launches on free ports filled it (seen here: 21 GB, the machine swapping and
+    a compiler killed for memory).  Unlinked after a barrier (every rank has opened every buffer by then), the
+    mappings live on until the processes exit, and the memory goes with them, crash or not.
+    """
+    if getattr(deepspeed.comm.comm.cdb, "shm_comm_op", None) is None:
+        return
+    dist.barrier()
+    shm_buffer_path(dist.get_rank()).unlink(missing_ok=True)
 
 
 def is_collective_failure(error: RuntimeError) -> bool:
