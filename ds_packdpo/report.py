@@ -254,11 +254,13 @@ def _prefix_sharing_line(report: dict) -> str:
     """What computing each prompt once adds to packing, next to its ideal."""
     if report["prefix_sharing_speedup"] is None:
         return f"Prefix sharing: no `packed` and `{UNSHARED}` pair of runs to compare.\n"
-    shared = report["runs"]["packed"]["prompt_tokens_shared"]
+    shared, unshared = report["runs"]["packed"], report["runs"][UNSHARED]
     return (f"**prefix sharing (packed / {UNSHARED} pairs/s): {_fmt(report['prefix_sharing_speedup'])}**, ideal "
-            f"{_fmt(report['prefix_sharing_ideal_speedup'])} (tokens without sharing / with: {shared:,} prompt tokens "
-            f"not run twice); the gap is work sharing does not shrink: the lm_head over the completion tokens, the "
-            f"rejected tokens' attention to the prompt, collectives and the optimizer step.\n")
+            f"{_fmt(report['prefix_sharing_ideal_speedup'])} (tokens without sharing / with: "
+            f"{shared['prompt_tokens_shared']:,} prompt tokens not run twice), "
+            f"{_fmt(unshared['model_flops'] / shared['model_flops'])} by the analytic FLOPs (attention included); the "
+            f"gap is work sharing does not shrink: the lm_head over the completion tokens, the rejected tokens' "
+            f"attention to the prompt, collectives and the optimizer step.\n")
 
 
 def _trajectory_line(report: dict) -> str:
@@ -295,11 +297,13 @@ def plot_report(report: dict, folder: Path) -> None:
     ax.bar([i + 0.2 for i in x], computed, 0.4, label="computed tokens/s (padding in, a shared prompt once)", alpha=0.5)
     ax.set_xticks(list(x), names)
     ax.set_ylabel("tokens / s (all ranks)")
-    subtitle = f"speedup {_fmt(report['speedup'])}, ideal {_fmt(report['ideal_speedup'])}" if report["speedup"] else ""
+    subtitle = []
+    if report["speedup"]:
+        subtitle.append(f"speedup {_fmt(report['speedup'])}, ideal {_fmt(report['ideal_speedup'])}")
     if report["prefix_sharing_speedup"]:
-        subtitle += (f"; prefix sharing {_fmt(report['prefix_sharing_speedup'])} (pairs/s), ideal "
-                     f"{_fmt(report['prefix_sharing_ideal_speedup'])}")
-    ax.set_title(f"Throughput: {title}\n{subtitle}", fontsize=10)
+        subtitle.append(f"prefix sharing {_fmt(report['prefix_sharing_speedup'])} (pairs/s), ideal "
+                        f"{_fmt(report['prefix_sharing_ideal_speedup'])}")
+    ax.set_title(f"Throughput: {title}\n{'; '.join(subtitle)}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "tokens_per_s.png", dpi=110)
