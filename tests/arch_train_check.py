@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.data.plan import iter_plan
+from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.data.synthetic import default_tokenizer, synthetic_preference_rows
 from ds_packdpo.model.build import ARCHITECTURES, build_model
 from ds_packdpo.model.collate import collate_padded
@@ -49,7 +49,7 @@ def step1_eager_means(run, folder: Path) -> tuple[float, float, int]:
     """Mean chosen and rejected log-prob of step 1's pairs, each sequence alone with eager attention, no DeepSpeed;
     and the longest sequence."""
     setup = run.setup
-    plan = next(iter(iter_plan(setup.prepared.chosen_lengths, setup.prepared.rejected_lengths, setup.plan_cfg, 1)))
+    plan = next(iter(run_plan(setup.prepared, setup.plan_cfg, 1)))
     indices = sorted(i for rows in plan.ranks for row in rows for i in row.pairs)
     columns = setup.prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).to_list()
     model = build_model(str(folder), None, setup.vocab_size, torch.float32, "eager").eval()

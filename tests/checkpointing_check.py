@@ -23,7 +23,7 @@ from deepspeed import zero
 from deepspeed.utils import safe_get_full_grad
 
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.data.plan import iter_plan
+from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.model.losses import global_normalized_loss, pair_losses
 from ds_packdpo.model.param_groups import no_decay_names
 from ds_packdpo.run.assemble import prepare, start
@@ -56,8 +56,7 @@ def main(out_path: str, flags: list[str]) -> None:
     setup = prepare(parse_train_args(flags), "train")
     run = start(setup)
     policy, layout = run.policy, setup.layout
-    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-    plan = next(iter_plan(*lengths, setup.plan_cfg, 1))
+    plan = next(run_plan(setup.prepared, setup.plan_cfg, 1))
     rows = plan.ranks[layout.dp_rank][:ROWS]
     assert len({len(r[:ROWS]) for r in plan.ranks}) == 1  # the same number of forwards on every rank
 

@@ -23,7 +23,7 @@ from test_checkpoint import assert_same_steps
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.data.plan import iter_plan
+from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.data.synthetic import default_tokenizer, synthetic_preference_rows
 from ds_packdpo.errors import InputError
 from ds_packdpo.model import lora as lora_module
@@ -221,8 +221,7 @@ def test_adapters_off_reference_equals_a_reference_model_and_the_trajectory_igno
 def step_sequence_logps(model, root: Path, step: int) -> torch.Tensor:
     """Per-sequence log-probs of ``model`` (no DeepSpeed) over the pairs of optimizer ``step``, in one packed row."""
     setup = prepare(parse_train_args(train_flags(root, "plan_only")))
-    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-    plan = next(iter(iter_plan(*lengths, setup.plan_cfg, 1, start_step=step - 1)))
+    plan = next(iter(run_plan(setup.prepared, setup.plan_cfg, 1, start_step=step - 1)))
     batch = collate_row(setup.prepared.dataset, plan.pairs, setup.pad_token_id)
     with torch.no_grad():
         return forward_logps(model.eval(), batch, "sdpa", impl="plain").logps

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.data.plan import iter_plan
+from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.data.synthetic import synthetic_preference_rows
 from ds_packdpo.model.attention import SDPA_VARLEN, attn_implementation
 from ds_packdpo.model.build import tiny_config
@@ -116,8 +116,7 @@ def test_total_steps_come_from_the_plan(tmp_path):
     assert steps("--global-batch-pairs", "8", "--epochs", "3") == 15
     assert steps("--global-batch-pairs", "8", "--epochs", "3", "--max-steps", "7") == 7
     setup = prepare(parse_train_args([*base, "--tokens-per-step", "2000", "--epochs", "2"]), "train", world_size=2)
-    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-    assert setup.schedule.total_steps == sum(1 for _ in iter_plan(*lengths, setup.plan_cfg, 2)) > 2
+    assert setup.schedule.total_steps == sum(1 for _ in run_plan(setup.prepared, setup.plan_cfg, 2)) > 2
 
 
 # ----------------------------------------------------------------------------- parameter groups
@@ -161,8 +160,7 @@ def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer,
 
     def split(*flags: str):
         setup = prepare(parse_train_args([*base, *flags]), "train", world_size=2)
-        lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-        trained = {content(setup.prepared, i) for plan in iter_plan(*lengths, setup.plan_cfg, 2) for i in plan.pairs}
+        trained = {content(setup.prepared, i) for plan in run_plan(setup.prepared, setup.plan_cfg, 2) for i in plan.pairs}
         held = setup.held_out.pairs
         held_out = {content(held, i) for i in range(len(held.chosen_lengths))}
         planned = sorted(i for rows in setup.held_out.plan.ranks for row in rows for i in row.pairs)
