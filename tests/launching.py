@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ds_packdpo.run.build_lock import venv_extensions_dir
 from ds_packdpo.run.layout import free_port
-from ds_packdpo.run.process_group import SHM_DIR
+from ds_packdpo.run.process_group import SHM_DIR, shm_buffer_name
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -47,7 +47,8 @@ def run(cmd: list[str], timeout: float = 600, check: bool = True, **kwargs) -> s
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, **kwargs)
     if check:
         assert proc.returncode == 0, _failure(cmd, proc.returncode, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        assert not shm_buffers_left(cmd), f"{shm_buffers_left(cmd)} left in {SHM_DIR} by {' '.join(map(str, cmd))}"
+        left = shm_buffers_left(cmd)
+        assert not left, f"{left} left in {SHM_DIR} by {' '.join(map(str, cmd))}"
     return proc
 
 
@@ -57,7 +58,7 @@ def shm_buffers_left(cmd: list[str]) -> list[str]:
     if "--master_port" not in cmd:
         return []
     port = cmd[cmd.index("--master_port") + 1]
-    return sorted(path.name for path in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    return sorted(path.name for path in SHM_DIR.glob(shm_buffer_name("*", port, "*")))
 
 
 def run_together(cmds: list[list[str]], timeout: float = 600) -> None:

@@ -50,11 +50,10 @@ def init_process_group(layout: ParallelLayout, collective_timeout_s: float) -> N
     layout.check_process_group(dist.get_rank(), dist.get_world_size())
 
 
-def shm_buffer_path(rank: int) -> Path:
-    """The shared-memory file of DeepSpeed's CPU comm op for ``rank`` of this job (deepspeed/ops/csrc/cpu/comm/
-    shm.cpp names it by user, rendezvous address and port, and rank)."""
-    return SHM_DIR / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-                      f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+def shm_buffer_name(addr: str, port: str, rank) -> str:
+    """The name of DeepSpeed's CPU comm op buffer in /dev/shm (deepspeed/ops/csrc/cpu/comm/shm.cpp names it by user,
+    rendezvous address and port, and rank); ``"*"`` parts make it a glob pattern."""
+    return f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
 def release_shm_buffer() -> None:
@@ -69,7 +68,8 @@ def release_shm_buffer() -> None:
     if getattr(deepspeed.comm.comm.cdb, "shm_comm_op", None) is None:
         return
     dist.barrier()
-    shm_buffer_path(dist.get_rank()).unlink(missing_ok=True)
+    name = shm_buffer_name(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank())
+    (SHM_DIR / name).unlink(missing_ok=True)
 
 
 def is_collective_failure(error: RuntimeError) -> bool:
