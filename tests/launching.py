@@ -92,18 +92,51 @@ def launch_script(name: str, *args: str) -> list[str]:
     return [str(REPO / "launch" / name), *map(str, args)]
 
 
-def deepspeed_module(procs: int, module: str, *args: str) -> list[str]:
-    """``deepspeed --num_gpus N --master_port P --module MODULE ARGS`` on a free port."""
-    return [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(free_port()), "--module", module, *args]
+def ranks_module(procs: int, module: str, *args: str) -> list[str]:
+    """The ranks of ``deepspeed --num_gpus N --module MODULE ARGS`` on a free port, started by rank_launcher.py
+    (each rank gets the launcher's environment, without the launcher's seconds of start-up)."""
+    return _ranks(procs, "--module", module, *args)
 
 
-def deepspeed_script(procs: int, script: str, *args: str) -> list[str]:
-    """``deepspeed --num_gpus N --master_port P SCRIPT ARGS`` on a free port (a script path relative to the repo)."""
-    return [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(free_port()), script, *args]
+def ranks_script(procs: int, script: str, *args: str) -> list[str]:
+    """As ranks_module, for a script path relative to the repository."""
+    return _ranks(procs, script, *args)
+
+
+def _ranks(procs: int, *target: str) -> list[str]:
+    return [sys.executable, str(REPO / "tests" / "rank_launcher.py"), "--num_gpus", str(procs), "--master_port",
+            str(free_port()), *target]
 
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+# One process runs MODULE.main for each case in turn (the environment updated per case): one import of torch,
+# DeepSpeed and transformers instead of one per case, for checks that end in phase one, before any process group.
+_MAIN_PER_CASE = """
+import contextlib, importlib, io, json, os, sys
+main = importlib.import_module(sys.argv[1]).main
+for argv, env in json.loads(sys.argv[2]):
+    os.environ.update(env)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            code = main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    for name in env:
+        del os.environ[name]
+    print("CASE", json.dumps([code, stderr.getvalue()]))
+"""
+
+
+def main_per_case(module: str, cases: list[tuple[list[str], dict]]) -> list[tuple[int, str]]:
+    """Exit code and standard error of ``MODULE.main(argv)`` with ``env`` set, per case, in one rank process."""
+    proc = run([sys.executable, "-c", _MAIN_PER_CASE, module, json.dumps(cases)], timeout=300)
+    results = [json.loads(line[len("CASE "):]) for line in proc.stdout.splitlines() if line.startswith("CASE ")]
+    assert len(results) == len(cases), proc.stdout[-3000:]
+    return [tuple(result) for result in results]
 
 
 def rank_module(module: str, *args: str) -> list[str]:

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from launching import deepspeed_script, run
+from launching import ranks_script, run
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 from ds_packdpo.errors import InputError, PackingNotExactError
@@ -164,7 +164,7 @@ def test_every_architecture_trains_on_two_zero3_ranks(tmp_path):
     through the real assembly (--attn auto = sdpa_varlen, with its start-up guard); tiny Mistral and Gemma 3
     train 3 steps, and their step-1 policy log-probs equal an eager one-sequence-at-a-time computation."""
     out = tmp_path / "report.json"
-    run(deepspeed_script(2, "tests/arch_train_check.py", str(tmp_path), str(out)), timeout=900)
+    run(ranks_script(2, "tests/arch_train_check.py", str(tmp_path), str(out)), timeout=900)
     report = json.loads(out.read_text())
     assert sorted(report) == sorted(ARCHITECTURES)
     for arch, result in report.items():

@@ -19,7 +19,7 @@ from ds_packdpo.model.lora import LoraSettings, add_adapters
 from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, check_report, merge_reports, read_report,
                                write_merged)
 
-from launching import deepspeed_module, run
+from launching import ranks_module, run
 
 
 # ---- FLOP formula -------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def launch_bench(root, name: str, configurations: str, *flags: str):
     out = root / name
     model_config = root / "tiny_config.json"
     tiny_config(vocab_size=1024).to_json_file(str(model_config))  # the embedded data's tokenizer has 1024 tokens
-    run(deepspeed_module(2, "ds_packdpo.bench", *BENCH_RUN, "--model-config", str(model_config), "--cache-dir",
+    run(ranks_module(2, "ds_packdpo.bench", *BENCH_RUN, "--model-config", str(model_config), "--cache-dir",
                          str(root / f"cache_{name}"), "--configurations", configurations, "--out", str(out), *flags),
         timeout=600)
     return out

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import BIN, cpu_env, deepspeed_module, free_port, rank_module, read_metrics, run, two_node_launch
+from launching import BIN, cpu_env, free_port, rank_module, ranks_module, read_metrics, run, two_node_launch
 from test_scale import closed_form
 
 from ds_packdpo import cli
@@ -118,7 +118,7 @@ def two_rank_run(tmp_path_factory) -> Path:
     """The uninterrupted 2-rank run of 6 steps on a cosine schedule, checkpoints at 3 and 6, --export-on-end in
     shards of at most 300 KB (the tiny model is 1 MB in fp32): one launch that several tests read."""
     tmp = tmp_path_factory.mktemp("two_ranks")
-    run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp, "straight", *SCHEDULE, "--save-steps", "3",
+    run(ranks_module(2, "ds_packdpo.train", *flags(tmp, "straight", *SCHEDULE, "--save-steps", "3",
                                                        "--export-on-end", "--max-shard-size", "300KB")))
     return tmp / "straight"
 
@@ -346,17 +346,17 @@ def test_resume_under_sequence_parallelism_continues_exactly(tmp_path, capsys):
     checkpoint, the job resumed at the same layout, continues the uninterrupted run exactly; another layout is
     refused before any process group, naming both."""
     straight = tmp_path / "straight"
-    run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp_path, "straight", *SP2, "--max-steps", "4")))
+    run(ranks_module(2, "ds_packdpo.train", *flags(tmp_path, "straight", *SP2, "--max-steps", "4")))
     reference = read_metrics(straight / "metrics.jsonl")
     killed = tmp_path / "killed"
-    proc = run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp_path, "killed", *SP2, "--max-steps", "4",
+    proc = run(ranks_module(2, "ds_packdpo.train", *flags(tmp_path, "killed", *SP2, "--max-steps", "4",
                                                                "--save-steps", "2")),
                check=False, env=cpu_env(DS_PACKDPO_FAULT_KILL="1:3"))
     assert proc.returncode != 0
     assert (killed / "checkpoints" / LATEST).read_text() == "global_step2"
     state = json.loads((killed / "checkpoints" / "global_step2" / STATE_FILE).read_text())
     assert state["layout"] == {"world_size": 2, "dp_size": 1, "sp_size": 2}
-    run(deepspeed_module(2, "ds_packdpo.train", *flags(tmp_path, "killed", *SP2, "--max-steps", "4",
+    run(ranks_module(2, "ds_packdpo.train", *flags(tmp_path, "killed", *SP2, "--max-steps", "4",
                                                        "--save-steps", "2", "--resume", "auto")))
     resumed = read_metrics(killed / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and all(r["pairs"] == 8 for r in resumed)

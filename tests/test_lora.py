@@ -18,7 +18,7 @@ import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
-from launching import cpu_env, deepspeed_module, rank_module, read_metrics, run
+from launching import cpu_env, rank_module, ranks_module, read_metrics, run
 from test_checkpoint import assert_same_steps
 
 from ds_packdpo import cli
@@ -175,7 +175,7 @@ def straight(tmp_path_factory) -> Path:
     """The 2-rank LoRA run, reference with adapters off: 6 steps (one epoch), checkpoints at steps 3 and 6."""
     root = tmp_path_factory.mktemp("lora")
     base = sum(p.numel() for p in save_base(root / "base").parameters())
-    proc = run(deepspeed_module(2, "ds_packdpo.train", *train_flags(root, "straight", "--save-steps", "3",
+    proc = run(ranks_module(2, "ds_packdpo.train", *train_flags(root, "straight", "--save-steps", "3",
                                                                     "--max-steps", "6")))
     # the start-up line: r x (in + out) per wrapped module, of the base's parameters plus those
     adapters = sum(8 * (m.in_features + m.out_features) for name, m in AutoModelForCausalLM.from_pretrained(
@@ -200,7 +200,7 @@ def test_adapters_off_reference_equals_a_reference_model_and_the_trajectory_igno
 
     def launch(name: str, procs: int, *flags: str) -> list[dict]:
         argv = train_flags(straight, name, "--max-steps", "3", *flags)
-        run(deepspeed_module(2, "ds_packdpo.train", *argv) if procs == 2 else rank_module("ds_packdpo.train", *argv))
+        run(ranks_module(2, "ds_packdpo.train", *argv) if procs == 2 else rank_module("ds_packdpo.train", *argv))
         return read_metrics(straight / name / "metrics.jsonl")
 
     # an explicit reference engine loaded from a copy of the base: the same numbers (measured: bitwise)
@@ -233,7 +233,7 @@ def test_lora_resumes_exactly_after_a_kill_and_exports_the_engines_log_probs(str
     # 1. rank 1 SIGKILLs itself as step 5 begins (the launcher stops rank 0); the step-3 checkpoint stays latest
     killed = straight / "killed"
     argv = train_flags(straight, "killed", "--save-steps", "3", "--max-steps", "6")
-    proc = run(deepspeed_module(2, "ds_packdpo.train", *argv), check=False, env=cpu_env(DS_PACKDPO_FAULT_KILL="1:5"))
+    proc = run(ranks_module(2, "ds_packdpo.train", *argv), check=False, env=cpu_env(DS_PACKDPO_FAULT_KILL="1:5"))
     assert proc.returncode != 0
     assert (killed / "checkpoints" / LATEST).read_text() == "global_step3"
     state = json.loads((killed / "checkpoints" / "global_step3" / "ds_packdpo_state.json").read_text())
@@ -242,7 +242,7 @@ def test_lora_resumes_exactly_after_a_kill_and_exports_the_engines_log_probs(str
     with pytest.raises(InputError, match=r"written with LoRA r=8 alpha=16 dropout=0 on .*, this run trains LoRA r=4"):
         prepare(parse_train_args([*argv, "--resume", "auto", "--lora-r", "4"]), "train", world_size=2)
     # 2. resumed: steps 4-6 equal the uninterrupted run's
-    run(deepspeed_module(2, "ds_packdpo.train", *argv, "--resume", "auto"))
+    run(ranks_module(2, "ds_packdpo.train", *argv, "--resume", "auto"))
     resumed = read_metrics(killed / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     largest = assert_same_steps(resumed, reference, range(1, 7))

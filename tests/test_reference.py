@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import SMALL_RUN, deepspeed_module, deepspeed_script, read_metrics, run
+from launching import SMALL_RUN, ranks_module, ranks_script, read_metrics, run
 
 from ds_packdpo.config import parse_train_args
 
@@ -75,7 +75,7 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
     model = save_tiny_model(tmp_path / "model", seed=0)
     cache = ["--cache-dir", str(tmp_path / "cache"), "--model", str(model)]
     out = tmp_path / "ref" / "reference.jsonl"
-    run(deepspeed_module(2, "ds_packdpo.precompute_ref", "--out", str(out), *cache, *BUDGET, *SMALL_RUN))
+    run(ranks_module(2, "ds_packdpo.precompute_ref", "--out", str(out), *cache, *BUDGET, *SMALL_RUN))
 
     # 1. the file: one line per pair, the same pair ids as `prepare --out`, values of an independent padded forward
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -104,7 +104,7 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
 
     # 2. training with the file = training with the live reference engine (fp32, 1e-5)
     def launch(name: str, *flags: str) -> list[dict]:
-        run(deepspeed_module(2, "ds_packdpo.train", "--output-dir", str(tmp_path / name), *cache, *BUDGET, *SMALL_RUN,
+        run(ranks_module(2, "ds_packdpo.train", "--output-dir", str(tmp_path / name), *cache, *BUDGET, *SMALL_RUN,
                              *flags))
         return read_metrics(tmp_path / name / "metrics.jsonl")
 
@@ -149,7 +149,7 @@ def test_lean_gradients_reach_zero3_partitions(tmp_path):
     V x H lm_head is all-gathered once per row in forward and once in backward, whatever the chunk count
     (it was once per chunk and twice per chunk: 15 and 30 at 71 tokens in chunks of 5)."""
     out = tmp_path / "report.json"
-    run(deepspeed_script(2, "tests/zero3_lean_check.py", str(out)))
+    run(ranks_script(2, "tests/zero3_lean_check.py", str(out)))
     report = json.loads(out.read_text())
     for model in ("untied", "tied"):
         worst = report[model]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from deepspeed.runtime import lr_schedules
-from launching import deepspeed_script, run
+from launching import ranks_script, run
 from transformers import AutoModelForCausalLM
 
 from ds_packdpo import cli
@@ -223,7 +223,7 @@ def test_gradient_checkpointing_and_weight_decay_under_zero3_sequence_parallel(t
     """2 ranks sharing every row (S=2, ZeRO-3, lean log-probs): --gradient-checkpointing recomputes the layers and
     gives the gradients of the run without it; DeepSpeed's optimizer decays the weight matrices only."""
     out = tmp_path / "report.json"
-    run(deepspeed_script(2, "tests/checkpointing_check.py", str(out), "--output-dir", str(tmp_path / "run"),
+    run(ranks_script(2, "tests/checkpointing_check.py", str(out), "--output-dir", str(tmp_path / "run"),
                          "--cache-dir", str(tmp_path / "cache"), "--synthetic-pairs", "48", "--global-batch-pairs",
                          "12", "--max-length", "96", "--dtype", "fp32", "--no-progress", "--overwrite",
                          "--sequence-parallel-size", "2", "--max-tokens-per-row", "100", "--gradient-checkpointing",

@@ -7,7 +7,7 @@ rank's budget) is a layout of tests/test_trainer_multirank.py, next to the refer
 from __future__ import annotations
 
 import os
-import sys
+import re
 
 import pytest
 import torch
@@ -178,22 +178,24 @@ def test_ulysses_logps_and_gradients_equal_one_rank():
                 assert res[f"{name}grad_rel"] < 1e-5, (rank, kv_heads, res)
 
 
-@pytest.mark.parametrize("env, flags, message", [
+IMPOSSIBLE_LAYOUTS = [
     # the budget the S=2 layout of test_trainer_multirank.py trains with is refused at S=1, naming the way out
     ({}, ["--max-tokens-per-row", "100"],
      r"^error: pair \d+ needs 1\d\d tokens .* but --max-tokens-per-row is 100; .* --sequence-parallel-size$"),
     ({"WORLD_SIZE": "3"}, ["--sequence-parallel-size", "3"],
      r"^error: --sequence-parallel-size 3: --model-config tiny has 4 attention heads, not divisible by 3"),
-])
-def test_impossible_layout_fails_before_process_group(tmp_path, env, flags, message):
-    import re
+]
 
-    from launching import cpu_env, run
 
-    proc = run([sys.executable, "-m", "ds_packdpo.train", "--output-dir", str(tmp_path / "out"), "--cache-dir",
-                str(tmp_path / "cache"), "--synthetic-pairs", "48", "--max-length", "96", *flags],
-               timeout=300, check=False, env=cpu_env(**env))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert re.search(message, last), last
-    assert not (tmp_path / "out").exists()
+def test_impossible_layout_fails_before_process_group(tmp_path):
+    from launching import main_per_case
+
+    cases = [(["--output-dir", str(tmp_path / f"out{case}"), "--cache-dir", str(tmp_path / "cache"),
+               "--synthetic-pairs", "48", "--max-length", "96", *flags], env)
+             for case, (env, flags, _) in enumerate(IMPOSSIBLE_LAYOUTS)]
+    results = main_per_case("ds_packdpo.train", cases)
+    for case, ((_, _, message), (code, stderr)) in enumerate(zip(IMPOSSIBLE_LAYOUTS, results, strict=True)):
+        assert code == 2, stderr[-2000:]
+        last = stderr.strip().splitlines()[-1]
+        assert re.search(message, last), last
+        assert not (tmp_path / f"out{case}").exists()

@@ -1,18 +1,17 @@
-"""End-to-end runs under the deepspeed launcher (slow start-up: few launches, each checking several things)."""
+"""End-to-end multi-rank runs (slow start-up: few launches, each checking several things)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from launching import SMALL_RUN, deepspeed_module, read_metrics, run
+from launching import SMALL_RUN, main_per_case, ranks_module, read_metrics, run
 
 
 def launch(tmp_path: Path, name: str, procs: int, *flags: str) -> list[dict]:
     out = tmp_path / name
-    run(deepspeed_module(procs, "ds_packdpo.train", "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"),
+    run(ranks_module(procs, "ds_packdpo.train", "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"),
                          *SMALL_RUN, *flags))
     return read_metrics(out / "metrics.jsonl")
 
@@ -88,13 +87,7 @@ def test_uneven_data_finishes_without_hang(tmp_path):
     assert [r["learning_rate"] for r in runs] == pytest.approx([2.5e-4, 5e-4, 7.5e-4], rel=1e-12)
 
 
-def run_rank(tmp_path: Path, *flags: str):
-    """One rank without a launcher: the checks of phase one run before any process group."""
-    return run([sys.executable, "-m", "ds_packdpo.train", "--output-dir", str(tmp_path / "out"),
-                "--cache-dir", str(tmp_path / "cache"), *flags], timeout=300, check=False)
-
-
-@pytest.mark.parametrize("flags, message", [
+BAD_CONFIGURATIONS = [
     (["--max-length", "256", "--max-tokens-per-row", "64"], "--max-tokens-per-row"),
     (["--attn", "nonsense"], "--attn"),
     (["--attn", "flash_attention_2"], "flash_attention_2"),
@@ -102,16 +95,24 @@ def run_rank(tmp_path: Path, *flags: str):
     (["--ds-config", "NOTJSON"], "not valid JSON"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model"),
     (["--global-batch-pairs", "4", "--tokens-per-step", "100"], "exclusive"),
-])
-def test_bad_configuration_fails_before_process_group(tmp_path, flags, message):
+]
+
+
+def test_bad_configuration_fails_before_process_group(tmp_path):
+    """Each case ends a rank in phase one: exit code 2, one line naming the flag, no output folder."""
     batch = tmp_path / "batch.json"
     batch.write_text(json.dumps({"gradient_accumulation_steps": 8, "zero_optimization": {"stage": 3}}))
     notjson = tmp_path / "bad.json"
     notjson.write_text("{ not json")
-    flags = [str(batch) if f == "BATCH" else str(notjson) if f == "NOTJSON" else f for f in flags]
-    proc = run_rank(tmp_path, *flags)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, last
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "out").exists()  # nothing written
+    cases = []
+    for case, (flags, _) in enumerate(BAD_CONFIGURATIONS):
+        flags = [str(batch) if f == "BATCH" else str(notjson) if f == "NOTJSON" else f for f in flags]
+        cases.append((["--output-dir", str(tmp_path / f"out{case}"), "--cache-dir", str(tmp_path / "cache"),
+                       *flags], {}))
+    results = main_per_case("ds_packdpo.train", cases)
+    for case, ((flags, message), (code, stderr)) in enumerate(zip(BAD_CONFIGURATIONS, results, strict=True)):
+        assert code == 2, (flags, stderr[-2000:])
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and message in last, (flags, last)
+        assert "Traceback" not in stderr, flags
+        assert not (tmp_path / f"out{case}").exists(), flags  # nothing written
