@@ -57,7 +57,7 @@ def test_resume_continues_exactly_one_rank(tmp_path):
     straight = tmp_path / "straight"
     proc = run(rank_module("ds_packdpo.train", *flags(tmp_path, "straight", *constant)))
     first = proc.stdout.splitlines()[0]
-    assert first.startswith("plan: 48 pairs in 6 steps (48 training pairs), 2 rows per rank on 1 ranks") and \
+    assert first.startswith("plan: 48 pairs in 6 steps (48 training pairs), 2 rows per rank on 1 rank (") and \
         first.endswith("no evaluation; schedule: constant lr 0.001 over 6 steps, no warm-up"), proc.stdout[:2000]
     split = tmp_path / "split"
     run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", *constant, "--save-steps", "3", "--max-steps", "3")))
@@ -463,7 +463,7 @@ def test_resume_at_another_layout_needs_the_flag_and_zero3(tmp_path):
         cfg = parse_train_args([*run_flags, "--resume", str(tag_dir), *extra])
         return check_resume(cfg, "data", ParallelLayout(world_size=1, zero_stage=stage))
 
-    with pytest.raises(InputError, match=r"this run is 1 ranks .*\(pass --allow-new-layout to load it at this one"):
+    with pytest.raises(InputError, match=r"this run is 1 rank .*\(pass --allow-new-layout to load it at this one"):
         resume(3)
     point = resume(3, "--allow-new-layout")
     assert (point.universal, point.saved_world_size, point.global_step) == (True, 2, 4)

@@ -50,7 +50,8 @@ def free_port() -> int:
 
 def describe_sizes(sizes: dict) -> str:
     """A layout's sizes (``ParallelLayout.as_dict()``, as checkpoints and reports store them) in words."""
-    return f"{sizes['world_size']} ranks ({sizes['dp_size']} data-parallel x {sizes['sp_size']} sequence-parallel)"
+    ranks = "1 rank" if sizes["world_size"] == 1 else f"{sizes['world_size']} ranks"
+    return f"{ranks} ({sizes['dp_size']} data-parallel x {sizes['sp_size']} sequence-parallel)"
 
 
 @dataclass(frozen=True)

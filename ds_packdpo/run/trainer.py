@@ -124,14 +124,15 @@ def plan_summary(setup: RunSetup) -> dict:
 def describe_plan(summary: dict) -> str:
     """The plan summary in one line."""
     rows = summary["rows_per_rank"]
-    rows = f"{rows['min']}" if rows["min"] == rows["max"] else f"{rows['min']}-{rows['max']}"
+    rows = (("1 row" if rows["max"] == 1 else f"{rows['max']} rows") if rows["min"] == rows["max"]
+            else f"{rows['min']}-{rows['max']} rows")
     if summary["eval_pairs"]:
         every = f"every {summary['eval_steps']} steps and " if summary["eval_steps"] else ""
         held_out = f"; eval on {summary['eval_pairs']} held-out pairs {every}at the end"
     else:
         held_out = "; no evaluation"
     return (f"plan: {summary['pairs']} pairs in {summary['steps']} steps ({summary['train_pairs']} training pairs), "
-            f"{rows} rows per rank on {describe_sizes(summary['layout'])}, lock-step utilization "
+            f"{rows} per rank on {describe_sizes(summary['layout'])}, lock-step utilization "
             f"{summary['lockstep_utilization']:.3f}{held_out}; schedule: {Schedule(**summary['schedule']).describe()}")
 
 
