@@ -37,16 +37,27 @@ def cpu_env(**extra: str) -> dict:
     return {**extensions, **os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": path, "PATH": tools, **extra}
 
 
-def _failure(cmd: list[str], code: int, output: str) -> str:
-    return f"exit {code}: {' '.join(map(str, cmd))}\n{output[-6000:]}"
+def _failure(cmd: list[str], outcome: str, output: str) -> str:
+    return f"{outcome}: {' '.join(map(str, cmd))}\n{output[-6000:]}"
 
 
 def run(cmd: list[str], timeout: float = 600, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """Runs ``cmd`` in the repository with the CPU environment; with ``check`` a non-zero exit fails the test."""
     kwargs.setdefault("env", cpu_env())
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, **kwargs)
+    # In a session of its own, so that a timeout ends the whole job, the ranks of a launcher included: a rank left
+    # running would hold a core for the rest of the suite.
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise AssertionError(_failure(cmd, f"timed out after {timeout} s", f"{stdout[-3000:]}\n{stderr[-3000:]}"))
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if check:
-        assert proc.returncode == 0, _failure(cmd, proc.returncode, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        output = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, _failure(cmd, f"exit {proc.returncode}", output)
         left = shm_buffers_left(cmd)
         assert not left, f"{left} left in {SHM_DIR} by {' '.join(map(str, cmd))}"
     return proc
@@ -84,7 +95,7 @@ def run_together(cmds: list[list[str]], timeout: float = 600) -> None:
                     proc.wait()
         for cmd, proc, log in zip(cmds, procs, logs):
             log.seek(0)
-            assert proc.returncode == 0, _failure(cmd, proc.returncode, log.read())
+            assert proc.returncode == 0, _failure(cmd, f"exit {proc.returncode}", log.read())
 
 
 def launch_script(name: str, *args: str) -> list[str]:

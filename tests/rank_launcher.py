@@ -40,7 +40,7 @@ def main() -> int:
         command = [sys.executable, "-u", *(["-m"] if args.module else []), args.target, *args.args,
                    f"--local_rank={rank}"]
         env = {**os.environ, **shared, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        ranks.append(subprocess.Popen(command, env=env, start_new_session=True))
+        ranks.append(subprocess.Popen(command, env=env))
     try:
         while True:
             codes = [rank.poll() for rank in ranks]
@@ -51,7 +51,7 @@ def main() -> int:
     finally:
         for rank in ranks:  # a rank that waits for a dead peer must not outlive the job
             if rank.poll() is None:
-                os.killpg(rank.pid, signal.SIGKILL)
+                rank.kill()
                 rank.wait()
 
 
