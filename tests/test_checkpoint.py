@@ -471,3 +471,34 @@ def test_resume_at_another_layout_needs_the_flag_and_zero3(tmp_path):
         resume(2, "--allow-new-layout")
     with pytest.raises(InputError, match="--allow-new-layout needs --resume"):
         parse_train_args(["--allow-new-layout"])
+
+
+def test_the_end_of_a_run_meets_its_peers_before_the_group_goes(monkeypatch):
+    """close_process_group: a barrier (no collective pending at interpreter exit), then the teardown; a peer that
+    died after the last step is one line and exit 5, any other error is not ours to rename."""
+    from ds_packdpo.errors import PeerFailureError
+    from ds_packdpo.run import process_group
+
+    calls = []
+    monkeypatch.setattr(process_group.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(process_group.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(process_group.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    process_group.close_process_group()
+    assert calls == ["barrier", "destroy"]
+
+    def peer_gone():
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\nmore")
+
+    monkeypatch.setattr(process_group.dist, "barrier", peer_gone)
+    with pytest.raises(PeerFailureError, match=r"^rank 1: another rank died or stalled after the last step "
+                                               r"\(\[.*gloo.*Connection closed by peer\)$") as raised:
+        process_group.close_process_group()
+    assert raised.value.exit_code == 5 and calls == ["barrier", "destroy"]  # no teardown after a failure
+
+    def bug():
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(process_group.dist, "barrier", bug)
+    with pytest.raises(RuntimeError, match="^something else$"):
+        process_group.close_process_group()
