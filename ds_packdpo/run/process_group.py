@@ -87,15 +87,16 @@ def is_collective_failure(error: RuntimeError) -> bool:
 def close_process_group() -> None:
     """Tears the process group down at the end of a completed run, before the interpreter exits.
 
-    Left to interpreter shutdown, a rank that finishes while another still works (rank 0 exporting
-    after the last checkpoint) destroyed gloo's objects in no set order and was seen aborting
-    ("terminate called without an active exception", exit -6), which ended the job.  The same
-    abort was seen once more at the end of a 2-rank run with nothing left to do (one full suite in
-    four here; not reproduced in 20 repeats of that launch).  The likely cause: a gloo worker thread
-    still holding an asynchronous collective's tensors (ZeRO-3 prefetches) frees them during
-    interpreter finalization, and taking the GIL there ends the thread inside C++.  So the ranks
-    meet at a barrier first (gloo's waits for every collective queued or running before it).
-    Only on success: after a failed collective the peers may be gone.
+    Left to interpreter shutdown, gloo's teardown was seen aborting a finished rank ("terminate
+    called without an active exception", exit -6), which failed the job: with rank 0 still
+    exporting while the others exited, and once (one full suite in four here; not reproduced in
+    20 repeats of that launch) at the end of a 2-rank run with nothing left to do.  The likely
+    cause of the second: a gloo worker thread still holding an asynchronous collective's tensors
+    (ZeRO-3 prefetches) frees them during interpreter finalization, and taking the GIL there ends
+    the thread inside C++.  So the ranks meet at a barrier first (gloo's waits for every
+    collective queued or running before it); nothing long may run on one rank before this call
+    (--export-on-end runs after it).  Only on success: after a failed collective the peers may be
+    gone.
     """
     if dist.is_initialized():
         try:

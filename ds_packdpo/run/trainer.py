@@ -23,7 +23,7 @@ from ..errors import PeerFailureError, RunAbortedError, TooManyBadStepsError, fi
 from ..model.losses import global_normalized_loss, metric_means, metric_sums, pair_losses
 from . import faults
 from .assemble import Run, RunSetup, prepare, start
-from .checkpoint import Checkpointer, ResumePoint, tag_name
+from .checkpoint import Checkpointer, ResumePoint, resolved_save_dir
 from .evaluation import due as evaluation_due
 from .evaluation import evaluate
 from .export import export_checkpoint
@@ -136,25 +136,19 @@ def describe_plan(summary: dict) -> str:
             f"{summary['lockstep_utilization']:.3f}{held_out}; schedule: {Schedule(**summary['schedule']).describe()}")
 
 
-def export_on_end(run: Run, checkpointer: Checkpointer, global_step: int, position: tuple[int, int],
-                  bad_steps: int) -> None:
-    """--export-on-end: OUTPUT_DIR/hf_model from the final checkpoint's fp32 master weights, cast to --dtype, in
-    safetensors files of at most --max-shard-size.
+def export_on_end(setup: RunSetup) -> None:
+    """--export-on-end (rank 0, once the process group is closed): OUTPUT_DIR/hf_model from the final checkpoint's
+    fp32 master weights, cast to --dtype, in safetensors files of at most --max-shard-size.
 
-    Going through a checkpoint (saved here unless the last step was saved anyway)
-    reuses the offline export and is exact in any dtype; gathering the engine's
-    16-bit weights would give the module's copy, which in bf16 training is not
-    the fp32 master.
+    Going through the checkpoint (the loop saves the last step) reuses the offline export
+    and is exact in any dtype; gathering the engine's 16-bit weights would give the
+    module's copy, which in bf16 training is not the fp32 master.  Offline, after the
+    other ranks have gone: the export may outlast --collective-timeout-s.
     """
-    cfg = run.setup.cfg
-    if checkpointer.saved_step != global_step:
-        checkpointer.save(run.policy, global_step, *position, bad_steps)
-    if run.setup.layout.rank == 0:
-        # a resumed run may replace the export of its own earlier attempt
-        export_checkpoint(checkpointer.save_dir / tag_name(global_step), Path(cfg.output_dir) / "hf_model",
-                          cfg.dtype, overwrite=cfg.overwrite or run.setup.resume is not None,
-                          max_shard_size=cfg.max_shard_size)
-    # no barrier after it: the export may outlast --collective-timeout-s, and the other ranks have nothing left
+    cfg = setup.cfg
+    # the latest checkpoint is the final one; a resumed run may replace the export of its own earlier attempt
+    export_checkpoint(resolved_save_dir(cfg), Path(cfg.output_dir) / "hf_model", cfg.dtype,
+                      overwrite=cfg.overwrite or setup.resume is not None, max_shard_size=cfg.max_shard_size)
 
 
 def train_loop(run: Run, summary: dict) -> list[dict]:
@@ -202,8 +196,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
                                            f"loss or gradient (--max-bad-steps {cfg.max_bad_steps}); aborting")
             if checkpointer.due(global_step, last=global_step >= steps):
                 checkpointer.save(run.policy, global_step, *position, bad_steps)
-        if cfg.export_on_end:
-            export_on_end(run, checkpointer, global_step, position, bad_steps)
+        if cfg.export_on_end and checkpointer.saved_step != global_step:  # the checkpoint the export reads
+            checkpointer.save(run.policy, global_step, *position, bad_steps)
     except RuntimeError as error:
         if isinstance(error, RunAbortedError) or not is_collective_failure(error):
             raise
@@ -225,4 +219,6 @@ def train(cfg: TrainConfig) -> list[dict]:
         print(describe_plan(summary), flush=True)
     history = train_loop(start(setup), summary)
     close_process_group()
+    if cfg.export_on_end and setup.layout.rank == 0:
+        export_on_end(setup)
     return history
