@@ -43,7 +43,7 @@ from .precompute_ref import precompute
 from .report import build_report, write_report_folder
 from .run.assemble import RunSetup, prepare, start
 from .run.engines import model_config
-from .run.process_group import close_process_group
+from .run.process_group import close_process_group, exit_rank
 from .run.timing import PeakMemory, StepTimer, throughput_meter
 from .run.trainer import DPOTrainer
 
@@ -339,4 +339,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

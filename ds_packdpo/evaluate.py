@@ -10,12 +10,10 @@ Rank 0 prints the ``eval_*`` figures as one JSON object.
 
 from __future__ import annotations
 
-import sys
-
 from .config import parse_train_args
 from .run.assemble import prepare, start
 from .run.evaluation import evaluate
-from .run.process_group import run_rank_job
+from .run.process_group import exit_rank, run_rank_job
 
 
 def evaluate_model(cfg) -> dict | None:
@@ -31,4 +29,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

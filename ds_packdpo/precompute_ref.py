@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from .config import add_arguments, config_from_args
 from .data.run_plan import run_plan
 from .run.assemble import RunSetup, prepare, start
-from .run.process_group import run_rank_job
+from .run.process_group import exit_rank, run_rank_job
 from .run.reference import RECORD_KEYS, check_output_path, reference_fingerprint, write_reference
 
 
@@ -89,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 from .config import parse_train_args
 from .errors import run_guarded
+from .run.process_group import exit_rank
 from .run.trainer import train
 
 
@@ -18,4 +17,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

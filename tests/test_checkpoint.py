@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -502,3 +503,17 @@ def test_the_end_of_a_run_meets_its_peers_before_the_group_goes(monkeypatch):
     monkeypatch.setattr(process_group.dist, "barrier", bug)
     with pytest.raises(RuntimeError, match="^something else$"):
         process_group.close_process_group()
+
+
+def test_a_rank_process_ends_with_its_code_after_the_exit_handlers(tmp_path):
+    """exit_rank skips the interpreter's finalization (where gloo's teardown aborted finished ranks), not the exit
+    handlers (logging, monitors) nor what the streams still hold."""
+    script = ("import atexit, sys\n"
+              "from ds_packdpo.run.process_group import exit_rank\n"
+              "atexit.register(lambda: print('exit handler ran'))\n"
+              "print('buffered', end='')\n"
+              "sys.stderr.write('to stderr')\n"
+              "exit_rank(3)\n")
+    proc = run([sys.executable, "-c", script], check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout == "bufferedexit handler ran\n" and proc.stderr.endswith("to stderr")

@@ -7,11 +7,13 @@ that error into one line naming what to do (exit code 5).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 from datetime import timedelta
 from pathlib import Path
 
@@ -107,6 +109,25 @@ def close_process_group() -> None:
             raise PeerFailureError(f"rank {dist.get_rank()}: another rank died or stalled after the last step "
                                    f"({first_line(error)})") from error
         dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """Ends a rank's process with ``code`` once its job has returned, without the interpreter's finalization.
+
+    Finished ranks were seen aborting after their job had returned, every step, metric and
+    checkpoint written and the process group closed ("terminate called without an active
+    exception", SIGABRT; faulthandler: the main thread past its last Python frame), so the launcher
+    failed a complete job (exit 250): gloo's objects torn down during finalization.  Here the exit
+    handlers run (logging, monitors such as wandb, multiprocessing), the standard streams are
+    flushed, and os._exit ends the process.  Under MPI (mpi4py imported: launch/mpirun.sh) the
+    normal exit stays, for MPI_Finalize.
+    """
+    if "mpi4py" in sys.modules:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_rank_job(work: Callable[[], dict | None]) -> int:
