@@ -129,6 +129,7 @@ _MAIN_PER_CASE = """
 import contextlib, importlib, io, json, os, sys
 main = importlib.import_module(sys.argv[1]).main
 for argv, env in json.loads(sys.argv[2]):
+    before = dict(os.environ)
     os.environ.update(env)
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
@@ -136,8 +137,8 @@ for argv, env in json.loads(sys.argv[2]):
             code = main(argv)
         except SystemExit as exit:
             code = exit.code
-    for name in env:
-        del os.environ[name]
+    os.environ.clear()
+    os.environ.update(before)
     print("CASE", json.dumps([code, stderr.getvalue()]))
 """
 
@@ -151,7 +152,7 @@ def main_per_case(module: str, cases: list[tuple[list[str], dict]]) -> list[tupl
 
 
 def rank_module(module: str, *args: str) -> list[str]:
-    """One rank without a launcher (world size 1): cheaper than ``deepspeed_module(1, ...)``."""
+    """One rank without a launcher (world size 1): cheaper than ``ranks_module(1, ...)``."""
     return [sys.executable, "-m", module, *args]
 
 

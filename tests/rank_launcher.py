@@ -1,7 +1,7 @@
 """Starts the ranks of a one-node job as ``deepspeed --num_gpus N`` does, without DeepSpeed's launcher processes.
 
 Why by hand: the deepspeed launcher is two Python processes that import DeepSpeed (its runner, then launch.py)
-before the first rank starts, 6-9 s of every launch here and minutes of the suite.  The tests that check numbers
+before the first rank starts, ~9 s of every launch here and minutes of the suite.  The tests that check numbers
 across layouts need ranks, not the launcher: they get the environment launch.py gives each rank (MASTER_ADDR,
 MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, CUDA_VISIBLE_DEVICES) and its
 ``--local_rank=N`` argument.  The launcher itself is tested where it is the subject: test_launchers.py (local.sh,

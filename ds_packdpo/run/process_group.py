@@ -13,9 +13,9 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import deepspeed
 import torch.distributed as dist
@@ -89,16 +89,14 @@ def is_collective_failure(error: RuntimeError) -> bool:
 def close_process_group() -> None:
     """Tears the process group down at the end of a completed run, before the interpreter exits.
 
-    Left to interpreter shutdown, gloo's teardown was seen aborting a finished rank ("terminate
-    called without an active exception", exit -6), which failed the job: with rank 0 still
-    exporting while the others exited, and once (one full suite in four here; not reproduced in
-    20 repeats of that launch) at the end of a 2-rank run with nothing left to do.  The likely
-    cause of the second: a gloo worker thread still holding an asynchronous collective's tensors
-    (ZeRO-3 prefetches) frees them during interpreter finalization, and taking the GIL there ends
-    the thread inside C++.  So the ranks meet at a barrier first (gloo's waits for every
-    collective queued or running before it); nothing long may run on one rank before this call
-    (--export-on-end runs after it).  Only on success: after a failed collective the peers may be
-    gone.
+    Left to interpreter shutdown, gloo's teardown was seen aborting a finished rank while rank 0
+    still exported ("terminate called without an active exception", exit -6), failing the job.
+    The ranks meet at a barrier first (gloo's waits for every collective queued or running before
+    it), so no rank tears down while a peer still has collectives in flight, and a peer lost after
+    the last step is one line and exit 5; nothing long may run on one rank before this call
+    (--export-on-end runs after it).  The barrier alone did not stop the abort at exit (a 2-rank
+    run with nothing left to do still aborted once): :func:`exit_rank` does.  Only on success:
+    after a failed collective the peers may be gone.
     """
     if dist.is_initialized():
         try:

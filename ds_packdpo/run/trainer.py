@@ -123,9 +123,8 @@ def plan_summary(setup: RunSetup) -> dict:
 
 def describe_plan(summary: dict) -> str:
     """The plan summary in one line."""
-    rows = summary["rows_per_rank"]
-    rows = (("1 row" if rows["max"] == 1 else f"{rows['max']} rows") if rows["min"] == rows["max"]
-            else f"{rows['min']}-{rows['max']} rows")
+    fewest, most = summary["rows_per_rank"]["min"], summary["rows_per_rank"]["max"]
+    rows = f"{most} row{'' if most == 1 else 's'}" if fewest == most else f"{fewest}-{most} rows"
     if summary["eval_pairs"]:
         every = f"every {summary['eval_steps']} steps and " if summary["eval_steps"] else ""
         held_out = f"; eval on {summary['eval_pairs']} held-out pairs {every}at the end"
