@@ -55,6 +55,8 @@ CONFIGURATIONS: dict[str, dict] = {
     "padded": {"packing": False},
     # the dense block-diagonal mask (of packing alone: sdpa's masks cannot share prefixes)
     "packed-sdpa-dense": {"packing": True, "attn": "sdpa", "prefix_sharing": False},
+    # the exact per-sequence CPU kernel on any device (against auto's varlen kernel on a GPU)
+    "packed-sdpa-varlen": {"packing": True, "attn": "sdpa_varlen"},
     "packed-plain-logps": {"packing": True, "logps_impl": "plain"},  # the whole [tokens x vocab] logits
     # No reference engine: its log-probs come from a file that precompute-ref writes first (not timed).
     "packed-precomputed-ref": {"packing": True, "ref_logps": "precomputed"},

@@ -1,11 +1,15 @@
-"""Packing exactness on a CUDA machine: the architecture matrix with flash-attn varlen and bf16, and the bf16 guard
-figures (body of gpu_check.sh; under 5 minutes on one GPU once flash-attn is installed).
+"""Packing exactness on a CUDA machine: the architecture matrix with the varlen kernels (torch's own, flash-attn's)
+in bf16, and the bf16 guard figures (body of gpu_check.sh and of gpu_acceptance.sh's first stage).
 
 1. The matrix (``ds_packdpo.model.matrix``): every tiny architecture of ``model.build.ARCHITECTURES`` x every
-   requested backend, packed log-probs and gradients against each sequence alone with eager attention; fp32 for
-   the backends that run it (exact: <= 1e-5 on sums), bf16 for all (within the guard's per-token tolerance,
-   gradients within 5e-2 relative).  Flash backends must also use the explicit ``cu_seqlens`` kwargs: transformers'
-   fallback that rediscovers the boundaries from position_ids (a device->host sync) must not be called.
+   requested backend, packed rows and prefix-shared rows, log-probs and gradients against each sequence alone
+   with eager attention; fp32 for the backends that run it (exact: <= 1e-5 on sums), bf16 for all (within the
+   guard's per-token tolerance, gradients within 5e-2 relative).  The varlen kernels must also use the explicit
+   ``cu_seqlens`` kwargs: no fallback that rediscovers the boundaries from position_ids (a device->host sync per
+   layer: transformers' for flash-attn, ours for torch_varlen) may be called.
+   torch_varlen's two semantics this package relies on are also probed directly: causal alignment when a segment
+   has fewer queries than keys (bottom-right, the rejected block of a shared row), and whether torch's kernel
+   takes unrepeated grouped KV heads without ``enable_gqa`` (torch 2.11 has no such argument).
 2. The bf16 guard figures: the start-up guard's measure (mean |packed - eager alone| per completion token) on
    every architecture, and on a deeper random model (12 layers, hidden 768) with ~1,000-token sequences, against
    ``model.guard.HALF_ATOL_PER_TOKEN``: the figures the README's tolerance is checked against.
@@ -26,8 +30,9 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from ds_packdpo.errors import InputError
+from ds_packdpo.model import attention, torch_varlen
 from ds_packdpo.model.attention import (attn_implementation, check_model_attention, flash_attention_available,
-                                        is_flash)
+                                        is_flash, runs_half_precision_only)
 from ds_packdpo.model.build import ARCHITECTURES, build_model, tiny_config
 from ds_packdpo.model.guard import HALF_ATOL_PER_TOKEN, guard_pairs, packing_exactness, synthetic_pairs
 from ds_packdpo.model.matrix import VOCAB, matrix_outcome
@@ -39,27 +44,33 @@ DEEP = {"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 4}
 
 @contextmanager
 def count_boundary_rediscovery():
-    """Counts calls of transformers' position_ids -> cu_seqlens fallback in the flash path."""
+    """Counts calls of the position_ids -> cu_seqlens fallbacks: transformers' in the flash path, ours in
+    sdpa_varlen/torch_varlen."""
     import transformers.modeling_flash_attention_utils as fa
 
     calls = {"n": 0}
-    original = fa._prepare_from_posids
+    originals = [(fa, "_prepare_from_posids", fa._prepare_from_posids),
+                 (attention, "_sequence_offsets", attention._sequence_offsets)]
 
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
+    def counting(original):
+        def call(*args, **kwargs):
+            calls["n"] += 1
+            return original(*args, **kwargs)
+        return call
 
-    fa._prepare_from_posids = counting
+    for module, name, original in originals:
+        setattr(module, name, counting(original))
     try:
         yield calls
     finally:
-        fa._prepare_from_posids = original
+        for module, name, original in originals:
+            setattr(module, name, original)
 
 
-def matrix_entry(arch: str, attn: str, dtype: torch.dtype, device: str) -> dict:
+def matrix_entry(arch: str, attn: str, dtype: torch.dtype, device: str, shared_prefix: bool = False) -> dict:
     started = time.perf_counter()
     with count_boundary_rediscovery() as rediscovered:
-        outcome = matrix_outcome(arch, attn, dtype, device, num_pairs=4)
+        outcome = matrix_outcome(arch, attn, dtype, device, num_pairs=4, shared_prefix=shared_prefix)
     if outcome["verdict"] == "refused":
         return {**outcome, "ok": True}
     if dtype == torch.float32:
@@ -67,9 +78,42 @@ def matrix_entry(arch: str, attn: str, dtype: torch.dtype, device: str) -> dict:
     else:
         ok = (outcome["diff_per_token"] <= HALF_ATOL_PER_TOKEN
               and outcome["grad_diff"] <= BF16_GRAD_RTOL * outcome["grad_scale"])
-    boundaries_ok = not is_flash(attn) or rediscovered["n"] == 0
-    return {**outcome, "position_ids_boundary_rediscoveries": rediscovered["n"], "ok": bool(ok and boundaries_ok),
+    boundaries_ok = rediscovered["n"] == 0
+    return {**outcome, "rows": "prefix-shared" if shared_prefix else "packed",
+            "position_ids_boundary_rediscoveries": rediscovered["n"], "ok": bool(ok and boundaries_ok),
             "seconds": round(time.perf_counter() - started, 2)}
+
+
+def torch_varlen_semantics(device: str) -> dict:
+    """torch_varlen's kernel against dense fp32 attention: which causal alignment it uses when a segment has fewer
+    queries than keys, and whether it takes unrepeated grouped KV heads without ``enable_gqa``."""
+    if torch_varlen.varlen_kernel() is None:
+        return {"ok": False, "error": f"torch {torch.__version__} has no usable varlen_attn"}
+    varlen_attn, takes_enable_gqa = torch_varlen.varlen_kernel()
+    generator = torch.Generator(device=device).manual_seed(0)
+    lq, lk, heads, kv_heads, dim = 24, 64, 8, 2, 64
+    q = torch.randn(lq, heads, dim, device=device, generator=generator).bfloat16()
+    k, v = (torch.randn(lk, kv_heads, dim, device=device, generator=generator).bfloat16() for _ in range(2))
+    cu_q = torch.tensor([0, lq], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, lk], dtype=torch.int32, device=device)
+
+    def dense(offset: int) -> torch.Tensor:  # query i sees keys j <= i + offset, fp32
+        kr, vr = (t.float().repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q.float(), kr) / dim ** 0.5
+        visible = torch.arange(lk, device=device)[None] <= torch.arange(lq, device=device)[:, None] + offset
+        return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vr)
+
+    out = torch_varlen.segment_attention(q, k, v, cu_q, cu_k, lq, lk).float()
+    bottom_right, top_left = ((out - dense(offset)).abs().max().item() for offset in (lk - lq, 0))
+    result = {"takes_enable_gqa": takes_enable_gqa, "bottom_right_max_diff": bottom_right,
+              "top_left_max_diff": top_left, "bottom_right": bool(bottom_right < 2e-2 < top_left)}
+    if not takes_enable_gqa:
+        try:
+            unrepeated = varlen_attn(q, k, v, cu_q, cu_k, lq, lk, window_size=(-1, 0)).float()
+            result["unrepeated_gqa_max_diff"] = (unrepeated - dense(lk - lq)).abs().max().item()
+        except Exception as error:  # informational: the package repeats the heads on such a torch
+            result["unrepeated_gqa_error"] = f"{type(error).__name__}: {error}"[:300]
+    return {**result, "ok": result["bottom_right"]}
 
 
 def guard_figures(attns: list[str], device: str) -> dict:
@@ -104,8 +148,9 @@ def guard_figures(attns: list[str], device: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--attn", default="flash_attention_2,flash_attention_3,sdpa_varlen,sdpa,eager",
+    parser.add_argument("--attn", default="flash_attention_2,flash_attention_3,torch_varlen,sdpa_varlen,sdpa,eager",
                         help="comma-separated backends; flash_attention_3 is skipped when not installed")
+    parser.add_argument("--json-out", default=None, help="also write the JSON report to this file")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"ok": False, "error": "torch sees no CUDA device", "torch": torch.__version__}))
@@ -119,21 +164,30 @@ def main(argv=None) -> int:
             if attn != "flash_attention_3":  # optional: only checked where it is installed
                 results.append({"attn": attn, "ok": False, "error": f"{attn} is not installed or not usable here"})
             continue
+        if attn == "torch_varlen" and args.device != "cuda":
+            continue
         usable.append(attn)
-        # flash kernels run half precision only; the others are checked in fp32 and bf16
-        for dtype in [torch.bfloat16] if is_flash(attn) else [torch.float32, torch.bfloat16]:
+        # the flash kernels run half precision only; the others are checked in fp32 and bf16
+        for dtype in [torch.bfloat16] if runs_half_precision_only(attn) else [torch.float32, torch.bfloat16]:
             for arch in ARCHITECTURES:
-                try:
-                    results.append(matrix_entry(arch, attn, dtype, args.device))
-                except Exception as error:  # report every backend, then fail
-                    results.append({"arch": arch, "attn": attn, "dtype": str(dtype), "ok": False,
-                                    "error": f"{type(error).__name__}: {error}"})
+                for shared_prefix in (False, True) if attn in ("sdpa_varlen", "torch_varlen") else (False,):
+                    try:
+                        results.append(matrix_entry(arch, attn, dtype, args.device, shared_prefix))
+                    except Exception as error:  # report every backend, then fail
+                        results.append({"arch": arch, "attn": attn, "dtype": str(dtype), "ok": False,
+                                        "rows": "prefix-shared" if shared_prefix else "packed",
+                                        "error": f"{type(error).__name__}: {error}"})
     guard = guard_figures([a for a in usable if a != "eager"], args.device)
-    report = {"ok": bool(results) and all(r["ok"] for r in results) and guard["ok"], "device": args.device,
+    semantics = torch_varlen_semantics(args.device) if "torch_varlen" in usable else None
+    report = {"ok": bool(results) and all(r["ok"] for r in results) and guard["ok"]
+              and (semantics is None or semantics["ok"]), "device": args.device, "torch_varlen_semantics": semantics,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
               "torch": torch.__version__, "transformers": transformers.__version__,
               "seconds": round(time.perf_counter() - started, 1), "bf16_guard": guard, "matrix": results}
     print(json.dumps(report, indent=1))
+    if args.json_out:
+        with open(args.json_out, "w") as out:
+            json.dump(report, out, indent=1)
     return 0 if report["ok"] else 1
 
 

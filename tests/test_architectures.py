@@ -128,7 +128,7 @@ def test_attend_sequence_against_explicit_scores(window, softcap):
 
 def _window_blind(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
     """sdpa_varlen as it was before this change: the layer's sliding window swallowed."""
-    return attention._sdpa_varlen_forward(module, query, key, value, attention_mask, **kwargs)
+    return attention._own_kernel_forward("sdpa_varlen")(module, query, key, value, attention_mask, **kwargs)
 
 
 def test_guard_catches_a_kernel_that_ignores_the_window():

@@ -23,7 +23,7 @@ from ds_packdpo.run.checkpoint import LATEST, STATE_FILE
 
 COMMON = ["--synthetic-pairs", "48", "--global-batch-pairs", "8", "--max-length", "96", "--lr", "1e-3",
           "--dtype", "fp32", "--no-progress", "--max-steps", "6"]
-TIMING = ("step_time_s", "tokens_per_s", "pairs_per_s")
+TIMING = ("step_time_s", "tokens_per_s", "pairs_per_s", "peak_mem_mb")  # measured, not computed
 RESUME_TOL = 1e-6  # the bound for fp32 on CPU (measured: 0.0, bitwise identical)
 
 
@@ -59,6 +59,7 @@ def test_resume_continues_exactly_one_rank(tmp_path):
     proc = run(rank_module("ds_packdpo.train", *flags(tmp_path, "straight", *constant)))
     first = proc.stdout.splitlines()[0]
     assert first.startswith("plan: 48 pairs in 6 steps (48 training pairs), 2 rows per rank on 1 rank (") and \
+        "attention sdpa_varlen fp32 with prefix sharing, lock-step" in first and \
         first.endswith("no evaluation; schedule: constant lr 0.001 over 6 steps, no warm-up"), proc.stdout[:2000]
     split = tmp_path / "split"
     run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", *constant, "--save-steps", "3", "--max-steps", "3")))

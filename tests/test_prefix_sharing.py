@@ -26,6 +26,8 @@ from ds_packdpo.model.losses import LossConfig, global_normalized_loss, pair_los
 from ds_packdpo.model.prefix_attention import flash_segments, flash_shared_prefix, shared_prefix_attention
 from ds_packdpo.run.assemble import prepare
 
+from varlen_emulation import emulated_flash_varlen
+
 VOCAB = 512
 # pair blocks (P, C, R): an empty chosen, an empty rejected, a 1-token (cut) prompt, and a padding-like block
 LAYOUT = PrefixLayout(((5, 3, 4), (1, 0, 6), (7, 4, 0), (1, 9, 2), (6, 0, 0), (3, 5, 5)))
@@ -70,25 +72,6 @@ def test_kernel_equals_dense_definition_values_and_gradients(window, softcap):
         assert (grad - reference).abs().max() <= 1e-5 * reference.abs().max()
     with pytest.raises(ValueError, match="covers 61 tokens, the row has 50"):
         shared_prefix_attention(q[:50], k[:50], v[:50], LAYOUT)
-
-
-def emulated_flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
-                          window_size=(-1, -1), softcap=0.0):
-    """flash_attn_varlen_func's documented semantics (>= 2.1): per segment, query i of Lq sees key j of Lk iff
-    j <= i + Lk - Lq (causal, bottom-right) and i + Lk - Lq - j <= window_size[0]."""
-    assert causal and max_q == int(torch.diff(cu_q).max()) and max_k == int(torch.diff(cu_k).max())
-    out = []
-    for qs, qe, ks, ke in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
-        lq, lk = qe - qs, ke - ks
-        i, j = torch.arange(lq)[:, None] + lk - lq, torch.arange(lk)[None]
-        visible = (j <= i) & ((i - j <= window_size[0]) if window_size[0] >= 0 else True)
-        groups = q.shape[1] // k.shape[1]
-        ks_, vs_ = (t[ks:ke].repeat_interleave(groups, 1) for t in (k, v))
-        scores = torch.einsum("thd,shd->hts", q[qs:qe], ks_) * softmax_scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        out.append(torch.einsum("hts,shd->thd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vs_))
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (4, 2.0)])

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ds_packdpo.model.attention import ULYSSES_ATTN
+from ds_packdpo.model.attention import ULYSSES_ATTN, sdpa_segments
 from ds_packdpo.model.collate import IGNORE_INDEX, PrefixLayout, collate_packed, collate_shared
 from ds_packdpo.errors import InputError
 from ds_packdpo.model.build import tiny_config
 from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.run.layout import ParallelLayout
-from ds_packdpo.run.sequence_parallel import (check_model_heads, kv_replication, segment_sdpa,
+from ds_packdpo.run.sequence_parallel import (check_model_heads, kv_replication,
                                           slice_row)
 
 PAD = 3
@@ -64,11 +64,11 @@ def test_slices_of_a_shared_row_keep_fork_labels_and_the_whole_layout():
         assert slices[0].prefix_layout.tokens == sp_size * slices[0].input_ids.shape[1]
 
 
-def test_segment_sdpa_equals_block_diagonal_attention():
+def test_sdpa_segments_equals_block_diagonal_attention():
     torch.manual_seed(0)
     cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
     q, k, v = torch.randn(13, 4, 8), torch.randn(13, 2, 8), torch.randn(13, 2, 8)
-    out = segment_sdpa(q, k, v, cu, 7)
+    out = sdpa_segments(q, k, v, cu, 7)
     seg = torch.repeat_interleave(torch.arange(3), torch.diff(cu))
     pos = torch.arange(13)
     mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])

@@ -73,6 +73,7 @@ def test_trajectory_independent_of_layout(tmp_path):
                 "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
                 "logits/chosen", "logits/rejected"):
         assert key in reference[0]
+    assert all(50 < r["peak_mem_mb"] < 20_000 for r in reference)  # this rank's peak RSS (CPU), MiB
 
 
 @pytest.mark.multirank

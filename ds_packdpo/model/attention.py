@@ -16,6 +16,9 @@ Two ways get there in transformers 5.x:
   where attention dominates, the dense mask would eat the whole gain of packing).
   It is exact by construction and needs nothing but torch, so ``auto`` picks it
   on CPU.  Padded batches (an attention mask is given) run plain sdpa.
+* ``torch_varlen`` (``model/torch_varlen.py``, registered as ``ds_packdpo_torch_varlen``):
+  PyTorch's own FlashAttention varlen kernel on CUDA, one call per row with its
+  ``cu_seqlens``; the CUDA default in half precision when flash-attn is not installed.
 * ``flash_attention_2`` / ``flash_attention_3``: the varlen kernels take the
   sequence boundaries directly.  We pass ``cu_seqlens`` and ``max_seqlen`` from the
   collated batch as flash-attention kwargs, so transformers does not rediscover the
@@ -45,6 +48,8 @@ from ..errors import InputError
 from .collate import ModelBatch
 from .prefix_attention import PREFIX_FLASH, prefix_attention_forward, shared_prefix_attention
 from .sequence_attention import attend_sequence, causal_window_mask, masked_attention
+from . import torch_varlen
+from .torch_varlen import TORCH_VARLEN, TORCH_VARLEN_IMPLEMENTATION
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
 SDPA_VARLEN = "sdpa_varlen"
@@ -54,13 +59,15 @@ VARLEN_IMPLEMENTATION = "ds_packdpo_varlen"
 # The attention_implementation name of DeepSpeed-Ulysses (ds_packdpo.sequence_parallel registers it).
 ULYSSES_ATTN = "ds_packdpo_ulysses"
 # Backends that take the boundaries as cu_seqlens kwargs.
-VARLEN_BACKENDS = (*FLASH_BACKENDS, SDPA_VARLEN, ULYSSES_ATTN, *PREFIX_FLASH.values())
-ATTN_CHOICES = ("auto", SDPA_VARLEN, "sdpa", "eager", "flex_attention", *FLASH_BACKENDS)
+VARLEN_BACKENDS = (*FLASH_BACKENDS, SDPA_VARLEN, TORCH_VARLEN, ULYSSES_ATTN, *PREFIX_FLASH.values())
+ATTN_CHOICES = ("auto", SDPA_VARLEN, TORCH_VARLEN, "sdpa", "eager", "flex_attention", *FLASH_BACKENDS)
+# Backends whose packed rows (and prefix-shared rows) run this package's kernels, not transformers' masks.
+OWN_KERNELS = {SDPA_VARLEN: VARLEN_IMPLEMENTATION, TORCH_VARLEN: TORCH_VARLEN_IMPLEMENTATION}
 
 
 def attn_implementation(attn: str) -> str:
     """The ``attn_implementation`` a model is built with for backend ``attn``."""
-    return VARLEN_IMPLEMENTATION if attn == SDPA_VARLEN else attn
+    return OWN_KERNELS.get(attn, attn)
 
 
 def flash_attention_available(name: str) -> bool:
@@ -73,11 +80,17 @@ def is_flash(attn: str) -> bool:
     return attn in FLASH_BACKENDS
 
 
+def runs_half_precision_only(attn: str) -> bool:
+    """The FlashAttention kernels (flash-attn's and torch's) take bf16/fp16 only."""
+    return is_flash(attn) or attn == TORCH_VARLEN
+
+
 def resolve_attn(name: str, device_type: str, needs_backward: bool = True, dtype: str = "bf16") -> str:
     """The backend a run will use, or InputError; called before any process group starts.
 
-    ``auto`` is flash varlen on CUDA when flash-attn is importable and ``dtype`` (the
-    resolved --dtype) is half precision, else sdpa_varlen:
+    ``auto`` on CUDA with ``dtype`` (the resolved --dtype) in half precision is flash-attn's
+    varlen kernel when flash-attn is importable, else torch's own (``torch_varlen``, torch >=
+    2.11), else sdpa_varlen; on CPU and in fp32 it is sdpa_varlen:
     exact, and on CPU 2.5x (4.5k-token row, 8 sequences) to 5.3x (10.7k tokens, 16
     sequences) faster than sdpa's dense block-diagonal mask for forward+backward of the
     bench model on dpo_en_demo rows (measured here, 1 thread, min of 3).
@@ -91,18 +104,23 @@ def resolve_attn(name: str, device_type: str, needs_backward: bool = True, dtype
             for flash in FLASH_BACKENDS:
                 if flash_attention_available(flash):
                     return flash
+            if torch_varlen.torch_varlen_available():
+                return TORCH_VARLEN
         return SDPA_VARLEN
-    if is_flash(name):
+    if runs_half_precision_only(name):
+        if device_type != "cuda":
+            raise InputError(f"--attn {name}: needs a CUDA device, this run is on {device_type} "
+                             f"(use --attn {SDPA_VARLEN}, sdpa, eager or flex_attention)")
         if dtype == "fp32":
             raise InputError(f"--attn {name} with --dtype fp32: flash attention kernels run bf16/fp16 only; use "
                              f"--dtype bf16 (or auto, bf16 on CUDA), or --attn {SDPA_VARLEN} for fp32")
-        if device_type != "cuda":
-            raise InputError(f"--attn {name}: needs a CUDA device, this run is on {device_type} "
-                             f"(use --attn sdpa, eager or flex_attention)")
-        if not flash_attention_available(name):
-            package = "flash-attn" if name == "flash_attention_2" else "flash-attn-3 (flash_attn_interface)"
-            raise InputError(f"--attn {name}: the {package} package is not installed or too old "
-                             f"(pip install flash-attn --no-build-isolation), or use --attn sdpa")
+    if is_flash(name) and not flash_attention_available(name):
+        package = "flash-attn" if name == "flash_attention_2" else "flash-attn-3 (flash_attn_interface)"
+        raise InputError(f"--attn {name}: the {package} package is not installed or too old "
+                         f"(pip install flash-attn --no-build-isolation), or use --attn {TORCH_VARLEN}")
+    if name == TORCH_VARLEN and torch_varlen.varlen_kernel() is None:
+        raise InputError(f"--attn {TORCH_VARLEN}: torch {torch.__version__} has no varlen_attn with window_size "
+                         f"(torch >= 2.11 has it); upgrade torch, or use --attn {SDPA_VARLEN}")
     if name == "flex_attention" and device_type == "cpu" and needs_backward:
         raise InputError("--attn flex_attention: torch has no FlexAttention backward on CPU "
                          "(training needs one); use --attn sdpa or eager on CPU")
@@ -163,7 +181,12 @@ def check_model_attention(config, attn: str, where: str) -> None:
         reason = (f"soft-caps its attention scores (attn_logit_softcapping {softcap:g}), which torch's sdpa cannot"
                   if attn == "sdpa" and softcap is not None else f"has no {attn} attention in transformers")
         raise InputError(f"--attn {attn}: {name} {reason}; use --attn {SDPA_VARLEN} or eager")
-    if attn == SDPA_VARLEN:  # also the local kernel of Ulysses (phase one passes it for sequence parallelism)
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if attn == TORCH_VARLEN and softcap is not None:
+        raise InputError(f"--attn {attn}: {name} soft-caps its attention scores (attn_logit_softcapping "
+                         f"{softcap:g}), which torch's varlen kernel cannot; use --attn flash_attention_2 (flash-attn "
+                         f">= 2.6) or {SDPA_VARLEN}")
+    if attn in OWN_KERNELS:  # also the local kernels of Ulysses (phase one passes them for sequence parallelism)
         other = sorted(set(getattr(text, "layer_types", None) or ()) - set(KERNEL_LAYER_TYPES))
         for feature, present in (("attention_chunk_size", getattr(text, "attention_chunk_size", None)),
                                  ("use_bidirectional_attention", getattr(text, "use_bidirectional_attention", None)),
@@ -253,50 +276,77 @@ def refuse_unsupported_kwargs(kernel: str, kwargs: dict) -> None:
                                       f"implement; use --attn eager")
 
 
-def _sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                         is_causal=None, sliding_window: int | None = None, softcap: float | None = None, **kwargs):
-    """transformers' attention-function signature: q/k/v ``[B, H, L, D]``, returns ``([B, L, H, D], None)``.
+def sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                  *, scale: float | None = None, sliding_window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
+    """:func:`varlen_attention` in the packed-row kernels' signature (``max_seqlen`` unused): sdpa_varlen's kernel,
+    and the local kernel of Ulysses for sdpa."""
+    del max_seqlen
+    return varlen_attention(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window, softcap=softcap)
 
-    Without a mask (packed rows) the row's sequence boundaries come from the
-    ``cu_seq_lens_q`` kwarg (``model_forward_kwargs`` passes it) or, failing that, from
-    where ``position_ids`` restart, and every sequence runs :func:`attend_sequence` with
-    the layer's window and cap.  With a mask (padded batches) it is sdpa on transformers'
-    mask (which holds the window), or the scores materialized when the layer soft-caps.  A
-    prefix-shared row (the ``prefix_layout`` kwarg) runs
-    :func:`~ds_packdpo.model.prefix_attention.shared_prefix_attention`, window and cap included.
+
+# backend -> (its packed-row kernel, its prefix-shared-row kernel); a kernel's attention function is built from them.
+PACKED_KERNELS = {SDPA_VARLEN: (sdpa_segments, shared_prefix_attention),
+                  TORCH_VARLEN: (torch_varlen.packed_attention, torch_varlen.shared_prefix_attention)}
+
+
+def _own_kernel_forward(attn: str):
+    """transformers' attention function of ``OWN_KERNELS[attn]``: q/k/v ``[B, H, L, D]`` -> ``([B, L, H, D], None)``.
+
+    Without a mask (packed rows) the row's sequence boundaries come from the ``cu_seq_lens_q`` /
+    ``max_length_q`` kwargs (``model_forward_kwargs`` passes them) or, failing that, from where
+    ``position_ids`` restart, and the row runs the backend's packed kernel with the layer's window
+    and cap.  A prefix-shared row (the ``prefix_layout`` kwarg) runs its shared-row kernel.  With a
+    mask (padded batches) it is sdpa on transformers' mask (which holds the window), or the scores
+    materialized when the layer soft-caps.
     """
-    refuse_unsupported_kwargs(SDPA_VARLEN, kwargs)
-    if kwargs.get("prefix_layout") is not None:
-        return prefix_attention_forward(shared_prefix_attention, query, key, value, kwargs["prefix_layout"], dropout,
-                                        scaling, sliding_window, softcap)
-    if attention_mask is not None or dropout or query.shape[2] != key.shape[2]:
-        if softcap is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, is_causal=is_causal, **kwargs)
-        if dropout:
-            raise NotImplementedError(f"attention {SDPA_VARLEN!r}: attention dropout with soft-capping")
-        groups = query.shape[1] // key.shape[1]
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-        if attention_mask is None:
-            attention_mask = causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
-        elif attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask == 0  # an additive float mask: 0 where attending
-        out = masked_attention(query, key, value, attention_mask, scaling, softcap)
-        return out.transpose(1, 2).contiguous(), None
-    batch, heads, length, dim = query.shape
-    cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if cu_seqlens is None or batch != 1:
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.arange(length, device=query.device).expand(batch, length)
-        cu_seqlens = _sequence_offsets(position_ids.expand(batch, length))
+    packed_kernel, shared_kernel = PACKED_KERNELS[attn]
 
-    def flat(t: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [B*L, H, D]
-        return t.transpose(1, 2).reshape(batch * length, t.shape[1], dim)
+    def forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+        refuse_unsupported_kwargs(attn, kwargs)
+        if kwargs.get("prefix_layout") is not None:
+            return prefix_attention_forward(shared_kernel, query, key, value, kwargs["prefix_layout"], dropout,
+                                            scaling, sliding_window, softcap)
+        if attention_mask is not None or dropout or query.shape[2] != key.shape[2]:
+            return _masked_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                   sliding_window, softcap, **kwargs)
+        batch, heads, length, dim = query.shape
+        cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+        if cu_seqlens is None or batch != 1:
+            position_ids = kwargs.get("position_ids")
+            if position_ids is None:
+                position_ids = torch.arange(length, device=query.device).expand(batch, length)
+            cu_seqlens = _sequence_offsets(position_ids.expand(batch, length))
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
-    out = varlen_attention(flat(query), flat(key), flat(value), cu_seqlens, scale=scaling,
-                           sliding_window=sliding_window, softcap=softcap)
-    return out.reshape(batch, length, heads, dim), None
+        def flat(t: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [B*L, H, D]
+            return t.transpose(1, 2).reshape(batch * length, t.shape[1], dim)
+
+        out = packed_kernel(flat(query), flat(key), flat(value), cu_seqlens, max_seqlen, scale=scaling,
+                            sliding_window=sliding_window, softcap=softcap)
+        return out.reshape(batch, length, heads, dim), None
+
+    return forward
+
+
+def _masked_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window, softcap,
+                    **kwargs):
+    """A padded batch (or a layer with dropout): sdpa on transformers' mask, or the scores materialized when the
+    layer soft-caps (sdpa cannot)."""
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    if dropout:
+        raise NotImplementedError("attention dropout with soft-capping")
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if attention_mask is None:
+        attention_mask = causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
+    elif attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0  # an additive float mask: 0 where attending
+    out = masked_attention(query, key, value, attention_mask, scaling, softcap)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _sdpa_varlen_mask(*args, attention_mask=None, **kwargs):
@@ -304,10 +354,12 @@ def _sdpa_varlen_mask(*args, attention_mask=None, **kwargs):
     return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
-def register_sdpa_varlen() -> None:
-    """Makes sdpa_varlen's ``attn_implementation`` known to transformers (idempotent)."""
-    AttentionInterface.register(VARLEN_IMPLEMENTATION, _sdpa_varlen_forward)
-    AttentionMaskInterface.register(VARLEN_IMPLEMENTATION, _sdpa_varlen_mask)
+def register_own_kernels() -> None:
+    """Makes the ``attn_implementation`` names of sdpa_varlen and torch_varlen known to transformers (idempotent;
+    nothing CUDA is touched)."""
+    for attn, implementation in OWN_KERNELS.items():
+        AttentionInterface.register(implementation, _own_kernel_forward(attn))
+        AttentionMaskInterface.register(implementation, _sdpa_varlen_mask)
 
 
-register_sdpa_varlen()
+register_own_kernels()

@@ -29,7 +29,9 @@ from ..data.run_plan import checked_plan_config, total_steps
 from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
-from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, check_model_attention, is_flash, resolve_attn
+from ..model.attention import (OWN_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, check_model_attention, is_flash,
+                                resolve_attn)
+from ..model.torch_varlen import TORCH_VARLEN
 from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
@@ -112,16 +114,16 @@ def check_output_dir(cfg: TrainConfig) -> None:
 
 
 def runs_prefix_sharing(attn: str, sp_size: int) -> bool:
-    """Whether ``attn`` runs prefix-shared rows: sdpa_varlen and flash-attn at one rank, every local attention of
-    Ulysses.  transformers' sdpa, eager and flex_attention derive their masks from position ids, which cannot say
-    [prompt | chosen | rejected]."""
-    return sp_size > 1 or attn == SDPA_VARLEN or is_flash(attn)
+    """Whether ``attn`` runs prefix-shared rows: sdpa_varlen, torch_varlen and flash-attn at one rank, every local
+    attention of Ulysses.  transformers' sdpa, eager and flex_attention derive their masks from position ids, which
+    cannot say [prompt | chosen | rejected]."""
+    return sp_size > 1 or attn in OWN_KERNELS or is_flash(attn)
 
 
 def check_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout) -> None:
     if cfg.shares_prefixes and not runs_prefix_sharing(attn, layout.sp_size):
         raise InputError(f"--attn {attn}: prefix sharing (on by default for packed runs) needs --attn auto, "
-                         f"{SDPA_VARLEN}, flash_attention_2 or flash_attention_3 ({attn} derives its masks from "
+                         f"{SDPA_VARLEN}, {TORCH_VARLEN}, flash_attention_2 or flash_attention_3 ({attn} derives its masks from "
                          f"position ids, which cannot say [prompt | chosen | rejected]); add --no-prefix-sharing to "
                          f"run {attn}")
 
@@ -155,8 +157,8 @@ def check_models(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size
     router loss is named as excluded.  Returns the policy's HF config."""
     hf_config = model_config(cfg, vocab_size)
     # Under sequence parallelism the model's attention is Ulysses around the local kernel: the per-sequence kernel
-    # of sdpa_varlen for sdpa too, or flash varlen.
-    kernel = SDPA_VARLEN if layout.sp_size > 1 and not is_flash(attn) else attn
+    # of sdpa_varlen for sdpa too, or a varlen kernel (flash-attn's, torch's).
+    kernel = SDPA_VARLEN if layout.sp_size > 1 and attn == "sdpa" else attn
     check_model_attention(hf_config, kernel, model_source(cfg))
     if cfg.ref_model is not None:
         check_model_attention(reference_model_config(cfg, vocab_size), kernel, f"--ref-model {cfg.ref_model}")

@@ -38,10 +38,11 @@ from deepspeed.sequence.layer import DistributedAttention
 from transformers import AttentionInterface, modeling_flash_attention_utils
 
 from ..errors import InputError
-from ..model.attention import SDPA_VARLEN, ULYSSES_ATTN, is_flash, refuse_unsupported_kwargs, varlen_attention
+from ..model.attention import PACKED_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, is_flash, refuse_unsupported_kwargs
 from ..model.collate import IGNORE_INDEX, ModelBatch, PrefixLayout
 from ..model.logps import SequenceLogps, forward_logps
 from ..model.prefix_attention import flash_shared_prefix, shared_prefix_attention
+from ..model.torch_varlen import TORCH_VARLEN
 from .layout import ParallelLayout
 
 # (q, k, v, cu_seqlens, max_seqlen, *, scale, sliding_window, softcap) -> out; q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0, out [T, Hq, D].
@@ -76,11 +77,12 @@ def check_model_heads(hf_config, sp_size: int, where: str) -> None:
 
 
 def check_attention(attn: str, sp_size: int) -> None:
-    """Under SP the local attention is flash varlen (CUDA) or the exact per-sequence sdpa; nothing else."""
-    if sp_size > 1 and not (is_flash(attn) or attn in ("sdpa", SDPA_VARLEN)):
+    """Under SP the local attention is a varlen kernel (flash-attn's or torch's, CUDA) or the exact per-sequence
+    sdpa; nothing else."""
+    if sp_size > 1 and not (is_flash(attn) or attn in ("sdpa", SDPA_VARLEN, TORCH_VARLEN)):
         raise InputError(f"--attn {attn} with --sequence-parallel-size {sp_size}: the local attention of Ulysses "
-                         f"is flash varlen or per-sequence sdpa; use --attn {SDPA_VARLEN}, sdpa, flash_attention_2 "
-                         f"or flash_attention_3")
+                         f"is a varlen kernel or per-sequence sdpa; use --attn {SDPA_VARLEN}, sdpa, {TORCH_VARLEN}, "
+                         f"flash_attention_2 or flash_attention_3")
 
 
 # ----------------------------------------------------------------------------- slicing a row
@@ -132,15 +134,6 @@ def slice_row(batch: ModelBatch, sp_size: int, sp_rank: int, pad_token_id: int) 
 # ----------------------------------------------------------------------------- local attention over the whole row
 
 
-def segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                 *, scale: float | None = None, sliding_window: int | None = None,
-                 softcap: float | None = None) -> torch.Tensor:
-    """The exact per-sequence attention of :func:`attention.varlen_attention` (window and cap included) in flash's
-    varlen signature (``max_seqlen`` unused): never the [T, T] mask of the very rows sequence parallelism is for."""
-    del max_seqlen
-    return varlen_attention(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window, softcap=softcap)
-
-
 def flash_varlen(attn: str) -> LocalVarlenAttention:
     """The varlen kernel of flash-attn 2 or 3 (CUDA), resolved by transformers, imported only here.
 
@@ -165,12 +158,14 @@ def flash_varlen(attn: str) -> LocalVarlenAttention:
 
 
 def local_attention_for(attn: str) -> LocalVarlenAttention:
-    return flash_varlen(attn) if is_flash(attn) else segment_sdpa
+    """The local kernel of packed rows: flash-attn's, torch's varlen kernel, or the per-sequence sdpa (also for
+    ``sdpa``)."""
+    return flash_varlen(attn) if is_flash(attn) else PACKED_KERNELS.get(attn, PACKED_KERNELS[SDPA_VARLEN])[0]
 
 
 def local_shared_attention_for(attn: str):
     """The local kernel of prefix-shared rows (``shared_prefix_attention``'s signature)."""
-    return flash_shared_prefix(attn) if is_flash(attn) else shared_prefix_attention
+    return flash_shared_prefix(attn) if is_flash(attn) else PACKED_KERNELS.get(attn, PACKED_KERNELS[SDPA_VARLEN])[1]
 
 
 # ----------------------------------------------------------------------------- Ulysses through transformers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 
@@ -70,6 +71,14 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
         return False
+
+
+def peak_memory_mb(device_type: str) -> float:
+    """This rank's peak memory so far, in MiB, for the per-step metrics: CUDA's peak allocated bytes (what the
+    caching allocator handed out, the figure ZeRO sizes against), or on CPU the peak RSS of the process's life."""
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def throughput_meter(run) -> ThroughputMeter:

@@ -31,7 +31,7 @@ from .layout import describe_sizes
 from .metrics import MetricsWriter, add_sums, sum_over_ranks
 from .process_group import close_process_group, is_collective_failure
 from .schedule import Schedule
-from .timing import StepTimer, throughput_meter
+from .timing import StepTimer, peak_memory_mb, throughput_meter
 
 STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens", "prompt_tokens_shared")
 logger = logging.getLogger("ds_packdpo")
@@ -116,9 +116,16 @@ def plan_summary(setup: RunSetup) -> dict:
     figures = plan_figures(setup.plan_cfg, setup.prepared, cfg.epochs, schedule.total_steps)
     held_out = setup.held_out.pairs.chosen_lengths.size if setup.held_out else 0
     return {"pairs": figures["pairs"], "train_pairs": int(setup.prepared.chosen_lengths.size),
-            "steps": schedule.total_steps, "layout": setup.layout.as_dict(), **figures,
+            "steps": schedule.total_steps, "layout": setup.layout.as_dict(),
+            "attention": {"backend": setup.attn, "dtype": cfg.dtype, "prefix_sharing": setup.prefix_sharing}, **figures,
             "eval_pairs": held_out, "eval_steps": cfg.eval_steps if held_out else None,
             "schedule": dataclasses.asdict(schedule), "deepspeed_scheduler": setup.ds_config.get("scheduler")}
+
+
+def describe_attention(attention: dict) -> str:
+    """The backend that runs, in the plan line: ``attention torch_varlen bf16 with prefix sharing``."""
+    sharing = "with" if attention["prefix_sharing"] else "without"
+    return f"attention {attention['backend']} {attention['dtype']} {sharing} prefix sharing"
 
 
 def describe_plan(summary: dict) -> str:
@@ -131,7 +138,8 @@ def describe_plan(summary: dict) -> str:
     else:
         held_out = "; no evaluation"
     return (f"plan: {summary['pairs']} pairs in {summary['steps']} steps ({summary['train_pairs']} training pairs), "
-            f"{rows} per rank on {describe_sizes(summary['layout'])}, lock-step utilization "
+            f"{rows} per rank on {describe_sizes(summary['layout'])}, {describe_attention(summary['attention'])}, "
+            f"lock-step utilization "
             f"{summary['lockstep_utilization']:.3f}{held_out}; schedule: {Schedule(**summary['schedule']).describe()}")
 
 
@@ -180,7 +188,7 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
             bad_steps = bad_steps + 1 if metrics["skipped"] else 0
             record = {"step": global_step, "epoch": plan.epoch, "epoch_step": plan.step, **metrics,
                       "step_time_s": seconds, "tokens_per_s": metrics["tokens"] / seconds,
-                      "pairs_per_s": metrics["pairs"] / seconds}
+                      "pairs_per_s": metrics["pairs"] / seconds, "peak_mem_mb": peak_memory_mb(setup.device_type)}
             if meter is not None:
                 record.update(meter.figures(meter.step_flops(plan), seconds))
             if setup.held_out is not None and evaluation_due(cfg, global_step, last=global_step >= steps):

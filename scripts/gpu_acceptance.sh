@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The GPU acceptance run: one command on a bare one-GPU machine with no network (an H200 here), under 8 minutes,
+# writing JSON and a Markdown summary into OUT.
+#
+#   scripts/fetch_gpu_wheels.sh            # first, on a machine with network: .whl/ and .gpu_data/ (git-ignored)
+#   scripts/gpu_acceptance.sh OUT [--smoke]
+#
+# OUT receives at most 8 files, refreshed after every stage (a run cut short still leaves its report):
+# acceptance.json / acceptance.md (every figure), matrix.json, bench_report.json, tokens_per_s.png,
+# train_metrics.jsonl, trl.json, logs.txt (the tail of each stage's log).  Everything else is written under
+# $GPU_ACCEPTANCE_WORK (default /tmp/ds_packdpo_acceptance).
+#
+# Stages (each under its own time limit; a failed stage is recorded and the next one still runs):
+#   install  the packages the GPU image lacks, from .whl/, into .gpu_site/ (put first on PYTHONPATH)
+#   matrix   scripts/gpu_check.py: every architecture x {torch_varlen bf16, sdpa_varlen fp32/bf16}, packed and
+#            prefix-shared rows against eager one sequence at a time (log-probs and gradients), torch_varlen's
+#            causal alignment and GQA probes, the bf16 guard figures
+#   train    1-GPU ZeRO-3 bf16 DPO of a random Llama-3.2-1B-shaped model on dpo_en_demo.json, max length 4096,
+#            16k-token rows, --attn auto (torch_varlen without flash-attn): tokens/s, pairs/s, MFU, peak memory
+#   bench    the same model: packed (prefix-shared) vs packed-no-prefix-sharing vs padded vs packed-sdpa-varlen
+#   trl      TRL's DPOTrainer on the same model, data, pairs per step and length: pairs/s
+#   summary  OUT/acceptance.json and OUT/acceptance.md
+# --smoke runs every stage on a CPU with a tiny model and few steps (this script's own check, not a benchmark).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPORT=${1:?usage: scripts/gpu_acceptance.sh OUT [--smoke]}
+SMOKE=${2:-}
+mkdir -p "$REPORT"
+REPORT=$(cd "$REPORT" && pwd)
+OUT=${GPU_ACCEPTANCE_WORK:-/tmp/ds_packdpo_acceptance}
+rm -rf "$OUT" && mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SITE=$PWD/.gpu_site
+WORK=$OUT/work
+DATA=../shared/data/dpo_en_demo.json
+[[ -f $DATA ]] || DATA=.gpu_data/dpo_en_demo.json  # the device machine gets no ../shared: fetch_gpu_wheels.sh copies it
+export DPO_DEMO_DATA=$DATA
+: > "$OUT/stages.jsonl"
+
+bundle() {  # the report folder: at most 8 files
+    "$PY" scripts/gpu_acceptance.py summarize "$OUT" > /dev/null 2>&1
+    cp -f "$OUT/acceptance.json" "$OUT/acceptance.md" "$OUT/matrix.json" "$OUT/trl.json" "$REPORT/" 2>/dev/null
+    cp -f "$OUT/bench/report.json" "$REPORT/bench_report.json" 2>/dev/null
+    cp -f "$OUT/bench/tokens_per_s.png" "$REPORT/tokens_per_s.png" 2>/dev/null
+    cp -f "$OUT/train/metrics.jsonl" "$REPORT/train_metrics.jsonl" 2>/dev/null
+    for log in "$OUT"/*.log; do echo "#### $log"; tail -n 40 "$log"; done > "$REPORT/logs.txt"
+}
+
+stage() {  # stage NAME SECONDS COMMAND...: output to OUT/NAME.log, exit code and time to OUT/stages.jsonl
+    local name=$1 limit=$2 started rc
+    shift 2
+    started=$(date +%s%N)
+    echo "== $name (limit ${limit}s): $*" | tee "$OUT/$name.log"
+    timeout --kill-after=10 "$limit" "$@" >> "$OUT/$name.log" 2>&1
+    rc=$?
+    printf '{"stage": "%s", "rc": %d, "seconds": %d.%01d}\n' "$name" "$rc" $(( ($(date +%s%N) - started) / 1000000000 )) \
+        $(( ($(date +%s%N) - started) / 100000000 % 10 )) >> "$OUT/stages.jsonl"
+    tail -n 3 "$OUT/$name.log"
+    bundle
+    return 0
+}
+
+install_packages() {  # run by stage through bash -c (timeout runs commands, not functions)
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null
+    if [[ -z $SMOKE ]]; then
+        mkdir -p "$SITE"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            .whl/*.whl || return 1
+        DS_BUILD_OPS=0 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
+            --target "$SITE" .whl/deepspeed-*.tar.gz || return 1
+    fi
+    "$PY" - <<'EOF'
+import importlib, json, torch
+versions = {name: getattr(importlib.import_module(name), "__version__", "?")
+            for name in ("torch", "transformers", "deepspeed", "datasets", "trl", "tokenizers", "huggingface_hub",
+                         "accelerate", "pyarrow", "pydantic")}
+print(json.dumps({**versions, "cuda": torch.cuda.is_available(),
+                  "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}))
+EOF
+}
+
+export -f install_packages
+export PY SMOKE SITE
+export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
+export PATH=$SITE/bin:$PATH
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+if [[ -n $SMOKE ]]; then
+    export DS_ACCELERATOR=cpu
+    MATRIX=(--device cpu --attn sdpa_varlen)
+    RUN=(--dtype fp32 --max-length 512 --max-tokens-per-row 2048 --global-batch-pairs 8)
+    TRAIN_STEPS=3; BENCH=(--configurations packed,padded --max-steps 2 --bench-warmup-steps 1)
+    TRL=(--steps 3 --batch-pairs 8 --micro-batch-pairs 4 --max-length 512)
+else
+    MATRIX=(--device cuda --attn torch_varlen,sdpa_varlen)
+    RUN=(--dtype bf16 --max-length 4096 --max-tokens-per-row 16384 --global-batch-pairs 32 --micro-batch-pairs 4
+         --peak-tflops 989)
+    TRAIN_STEPS=5
+    BENCH=(--configurations packed,packed-no-prefix-sharing,padded,packed-sdpa-varlen --max-steps 2
+           --bench-warmup-steps 1)
+    TRL=(--steps 3 --batch-pairs 32 --micro-batch-pairs 4 --max-length 4096)
+fi
+COMMON=(--model-config "$WORK/model" --tokenizer "$WORK/tokenizer" --dataset "$DATA"
+        --ds-config "$WORK/zero3_torch_adam.json" --cache-dir "$WORK/cache" --lr 1e-6 --beta 0.1 --no-progress)
+
+stage install 90 bash -c install_packages
+stage matrix 120 "$PY" scripts/gpu_check.py "${MATRIX[@]}" --json-out "$OUT/matrix.json"
+stage setup 45 "$PY" scripts/gpu_acceptance.py setup "$WORK" ${SMOKE:+--smoke}
+stage train 130 deepspeed --num_gpus 1 --master_port 29611 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}" \
+    --max-steps "$TRAIN_STEPS" --output-dir "$OUT/train" --overwrite
+stage bench 210 deepspeed --num_gpus 1 --master_port 29612 --module ds_packdpo.bench "${COMMON[@]}" "${RUN[@]}" \
+    "${BENCH[@]}" --out "$OUT/bench"
+stage trl 120 "$PY" scripts/gpu_acceptance.py trl "$WORK" "$OUT/trl.json" "${TRL[@]}"
+cat "$REPORT/acceptance.md" 2>/dev/null
