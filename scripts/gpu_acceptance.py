@@ -159,7 +159,9 @@ def summarize(out: Path) -> int:
                "bench": {name: {k: r.get(k) for k in ("attn", "tokens_per_s", "pairs_per_s", "mfu",
                                                       "model_tflops_per_s", "peak_mem_mb", "step_time_median_s")}
                          for name, r in runs.items()},
-               "bench_same_trajectory": bench.get("same_trajectory"), "trl": trl_report,
+               "bench_same_trajectory": bench.get("same_trajectory"),
+               "bench_skipped_packing_check": "--skip-packing-check" in json.dumps(bench.get("command", "")),
+               "trl": trl_report,
                "ours_over_trl_pairs_per_s": ours / trl_report["pairs_per_s"]
                if ours and trl_report and trl_report.get("pairs_per_s") else None,
                "environment": matrix.get("torch") and {"torch": matrix.get("torch"), "gpu": matrix.get("gpu"),
@@ -184,6 +186,12 @@ def summarize(out: Path) -> int:
         lines.append(f"- {f['model']} {f['attn']}: max per token {_fmt(f['max_diff_per_token'])}, longest "
                      f"{f['longest_sequence']}")
     lines += ["", f"torch_varlen semantics: {summary['torch_varlen_semantics']}", ""]
+    guard_check = (train_plan or {}).get("packing_check")
+    if guard_check:
+        lines += [f"Start-up guard of the training run: {guard_check['layout']} rows of {guard_check['attn']} within "
+                  f"{_fmt(guard_check['max_diff_per_token'])} per token of eager alone (tolerance "
+                  f"{_fmt(guard_check['tolerance_per_token'])}, noise floor {_fmt(guard_check['noise_floor_per_token'])},"
+                  f" longest sequence {guard_check['longest_sequence']})", ""]
     if train:
         lines += [f"Training (1 GPU, ZeRO-3, bf16, {train['measured_steps']} measured steps): "
                   f"{_fmt(train['tokens_per_s'], ',.0f')} tokens/s, {_fmt(train['pairs_per_s'], '.3g')} pairs/s, "

@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--attn", default="flash_attention_2,flash_attention_3,torch_varlen,sdpa_varlen,sdpa,eager",
                         help="comma-separated backends; flash_attention_3 is skipped when not installed")
+    parser.add_argument("--dtypes", default="fp32,bf16",
+                        help="comma-separated dtypes of the matrix for backends that run fp32 (the flash kernels: bf16)")
     parser.add_argument("--json-out", default=None, help="also write the JSON report to this file")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -168,7 +170,8 @@ def main(argv=None) -> int:
             continue
         usable.append(attn)
         # the flash kernels run half precision only; the others are checked in fp32 and bf16
-        for dtype in [torch.bfloat16] if runs_half_precision_only(attn) else [torch.float32, torch.bfloat16]:
+        dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in args.dtypes.split(",")]
+        for dtype in [torch.bfloat16] if runs_half_precision_only(attn) else dtypes:
             for arch in ARCHITECTURES:
                 for shared_prefix in (False, True) if attn in ("sdpa_varlen", "torch_varlen") else (False,):
                     try:

@@ -22,7 +22,8 @@ from ds_packdpo.model import attention
 from ds_packdpo.model.attention import (VARLEN_IMPLEMENTATION, attend_sequence, causal_window_mask,
                                         check_model_attention)
 from ds_packdpo.model.build import ARCHITECTURES, SLIDING_WINDOW, build_model, tiny_config
-from ds_packdpo.model.guard import assert_packing_exact, guard_pairs, packing_exactness
+from ds_packdpo.model.guard import (HALF_ATOL_PER_TOKEN, NOISE_FACTOR, assert_packing_exact, guard_pairs,
+                                   packing_exactness)
 from ds_packdpo.model.matrix import VOCAB, matrix_outcome
 
 CPU_BACKENDS = ("sdpa_varlen", "sdpa", "eager")
@@ -148,11 +149,17 @@ def test_guard_catches_a_kernel_that_ignores_the_window():
         assert_packing_exact(blind, "window_blind", VOCAB, 0)
     assert "beyond their sliding window" in str(info.value) and "\n" not in str(info.value)
     assert blind.config._attn_implementation == "window_blind"  # the guard's eager run put the model back
-    # in bf16 too, with its per-token tolerance (an exact kernel stays within it: the matrix in gpu_check)
-    for arch in ("mistral", "qwen2-swa"):
+    # in bf16 too, with its per-token tolerance (an exact kernel stays within it: the matrix in gpu_check), which
+    # is at least NOISE_FACTOR x the model's own sdpa-vs-eager noise floor; Gemma 2 has no sdpa: the fixed bound
+    assert result["noise_floor_per_token"] is None  # fp32: the fixed bound
+    for arch in ("mistral", "qwen2-swa", "gemma2"):
         for attn, exact in (("sdpa_varlen", True), ("window_blind", False)):
             model = build_model(None, f"tiny-{arch}", VOCAB, torch.bfloat16, attn, seed=0)
-            assert packing_exactness(model, guard_pairs(model, VOCAB), attn, 0)["ok"] is exact, (arch, attn)
+            result = packing_exactness(model, guard_pairs(model, VOCAB), attn, 0)
+            assert result["ok"] is exact, (arch, attn, result)
+            floor = result["noise_floor_per_token"]
+            assert (floor is None) == (arch == "gemma2"), (arch, result)
+            assert result["tolerance_per_token"] == max(HALF_ATOL_PER_TOKEN, NOISE_FACTOR * (floor or 0.0))
 
 
 # ----------------------------------------------------------------------------- 2 ranks, ZeRO-3, every architecture

@@ -59,7 +59,7 @@ def assert_same(got, want):
 @pytest.mark.parametrize("window", [None, 3, 100])
 def test_packed_and_shared_rows_equal_the_cpu_kernels(monkeypatch, kernel, window):
     """One varlen call per row: packed rows against sdpa_varlen's per-sequence loop, prefix-shared rows against the
-    CPU shared-prefix kernel; grouped heads (enable_gqa in torch 2.13, repeated heads in 2.11), windows shorter and
+    CPU shared-prefix kernel; grouped heads (enable_gqa in torch 2.13, as they are in 2.11), windows shorter and
     longer than the sequences; values and gradients."""
     use_torch_varlen_emulation(monkeypatch, kernel)
     cu = torch.tensor([0, 5, 6, 13, 20], dtype=torch.int32)

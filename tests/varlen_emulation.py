@@ -3,7 +3,7 @@
 * :func:`emulated_flash_varlen`: flash-attn's ``flash_attn_varlen_func`` (>= 2.1).
 * :func:`emulated_torch_varlen`: torch's ``torch.nn.attention.varlen.varlen_attn`` as read in torch 2.13
   (``enable_gqa``); :func:`emulated_torch_varlen_2_11` the torch 2.11 signature, which has no ``enable_gqa`` and
-  refuses nothing itself (so this emulation refuses unequal head counts: the caller must repeat the heads).
+  takes grouped heads as they are (seen on an H200: scripts/gpu_check.py's probe).
 
 Both are differentiable (einsum on the inputs), so gradients through the callers are checked too.  A real kernel
 is checked on a GPU by scripts/gpu_acceptance.sh.
@@ -51,9 +51,9 @@ def emulated_torch_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
 
 def emulated_torch_varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                                window_size=(-1, -1)):
-    """varlen_attn's torch 2.11 signature (no ``enable_gqa``); heads must be equal here."""
+    """varlen_attn's torch 2.11 signature (no ``enable_gqa``; grouped heads taken as they are)."""
     return emulated_torch_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux,
-                                 scale=scale, window_size=window_size)
+                                 scale=scale, window_size=window_size, enable_gqa=True)
 
 
 def use_torch_varlen_emulation(monkeypatch, kernel=emulated_torch_varlen) -> None:

@@ -11,8 +11,9 @@ as read in torch 2.11 and 2.13 (``torch/nn/attention/varlen.py``):
   so it must be a tuple), ``(W - 1, 0)`` causal with the last W keys (query i sees key j iff
   ``i - j < W``, transformers' ``sliding_window``); FlashAttention-2 aligns both bottom-right
   when a segment has fewer queries than keys, which is the rejected block of a prefix-shared row;
-* grouped KV heads: ``enable_gqa=True`` from torch 2.13; torch 2.11 has no such argument, and
-  the heads are repeated there;
+* grouped KV heads: ``enable_gqa=True`` from torch 2.13; torch 2.11 has no such argument and
+  checks nothing, and its kernel takes the grouped heads as they are (measured on an H200: the
+  same output as with repeated heads, ``scripts/gpu_check.py``'s probe), so they are never repeated;
 * no soft-capping of scores (Gemma 2 is refused in phase one) and no dropout.
 
 Packed rows run one call with the row's ``cu_seqlens`` (no boundary rediscovery, no loop);
@@ -76,12 +77,8 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                            f"window_size (torch >= 2.11)")
     varlen_attn, takes_enable_gqa = kernel
     options = {"scale": scale, "window_size": window_size(sliding_window)}
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        if takes_enable_gqa:
-            options["enable_gqa"] = True
-        else:
-            key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    if takes_enable_gqa and query.shape[1] != key.shape[1]:
+        options["enable_gqa"] = True
     return varlen_attn(query, key, value, cu_seq_q.to(torch.int32), cu_seq_k.to(torch.int32), int(max_q),
                        int(max_k), **options)
 

@@ -169,6 +169,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
     steps = setup.schedule.total_steps
     start = resume or ResumePoint(None, epoch=0, epoch_step=0, global_step=0, bad_steps=0)
     meter = throughput_meter(run) if setup.device_type == "cuda" else None
+    if summary:  # rank 0: the start-up guard's figures beside the plan (measured, so not in the plan line)
+        summary = {**summary, "packing_check": run.packing_check}
     writer = MetricsWriter(run, steps, start.global_step, resumed=resume is not None, plan_summary=summary)
     history = []
     timer = StepTimer()
