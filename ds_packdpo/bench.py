@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
+from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
 from .config import TrainConfig, add_arguments, config_from_args, to_dict
@@ -179,14 +180,20 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
             })
         run.close()
         del run, trainer
-    # The slowest rank sets each step's time; every rank's peak memory goes into the report.
-    times = torch.tensor([s["step_time_s"] for s in steps], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    # every rank's peak memory goes into the report
     peaks = [None] * layout.world_size
     dist.all_gather_object(peaks, memory.peak_bytes)
-    for step, seconds in zip(steps, times.tolist()):
+    for step, seconds in zip(steps, slowest_rank_seconds([s["step_time_s"] for s in steps])):
         step["step_time_s"] = seconds
     return summarize(name, CONFIGURATIONS[name], setup, steps, peaks, memory.kind, meter)
+
+
+def slowest_rank_seconds(seconds: list[float]) -> list[float]:
+    """Each step's time on the slowest rank (which sets the lock-step pace), reduced on the accelerator: NCCL reduces
+    no CPU tensor (the first H200 run ended there)."""
+    times = torch.tensor(seconds, dtype=torch.float64, device=get_accelerator().current_device_name())
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
 
 
 def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], peaks: list[int], memory_kind: str,

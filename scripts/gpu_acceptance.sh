@@ -108,6 +108,7 @@ COMMON=(--model-config "$WORK/model" --tokenizer "$WORK/tokenizer" --dataset "$D
 
 stage install 90 bash -c install_packages
 stage matrix 120 "$PY" scripts/gpu_check.py "${MATRIX[@]}" --json-out "$OUT/matrix.json"
+stage kernels 60 "$PY" scripts/gpu_check.py "${MATRIX[@]}" --kernels-only
 stage setup 45 "$PY" scripts/gpu_acceptance.py setup "$WORK" ${SMOKE:+--smoke}
 stage train 130 deepspeed --num_gpus 1 --master_port 29611 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}" \
     --max-steps "$TRAIN_STEPS" --output-dir "$OUT/train" --overwrite

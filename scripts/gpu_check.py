@@ -84,6 +84,72 @@ def matrix_entry(arch: str, attn: str, dtype: torch.dtype, device: str, shared_p
             "seconds": round(time.perf_counter() - started, 2)}
 
 
+def shared_kernel_check(device: str, attns: list[str]) -> dict:
+    """Each shared-row kernel alone in bf16 on ``device``: output and q/k/v gradients against dense fp32 attention
+    built from the definition (a NaN anywhere fails it)."""
+    from ds_packdpo.model.attention import PACKED_KERNELS
+    from ds_packdpo.model.collate import PrefixLayout
+
+    layout = PrefixLayout(((40, 17, 23), (9, 0, 30), (33, 21, 0), (5, 12, 8)))
+    position, block, side = [], [], []
+    for g, (p, c, r) in enumerate(layout.blocks):
+        position += [*range(p), *range(p, p + c), *range(p, p + r)]
+        block += [g] * (p + c + r)
+        side += [0] * p + [1] * c + [2] * r
+    position, block, side = (torch.tensor(x, device=device) for x in (position, block, side))
+    visible = ((block[:, None] == block[None]) & (position[None] <= position[:, None])
+               & ((side[None] == 0) | (side[None] == side[:, None])))
+    generator = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(layout.tokens, heads, 64, device=device, generator=generator) for heads in (8, 2, 2))
+    grad_out = torch.randn(q.shape, device=device, generator=generator)
+
+    def dense(q, k, v):
+        k, v = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+        scores = torch.einsum("thd,shd->hts", q, k) / 8.0
+        return torch.einsum("hts,shd->thd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = dense(*leaves)
+    want_grads = torch.autograd.grad(want, leaves, grad_out)
+    report = {}
+    for attn in attns:
+        leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+        out = PACKED_KERNELS[attn][1](*leaves, layout)
+        grads = torch.autograd.grad(out, leaves, grad_out.bfloat16())
+        diffs = [float((got.detach().float() - ref).abs().max()) for got, ref in zip((out, *grads), (want, *want_grads))]
+        report[attn] = {"out": diffs[0], "dq": diffs[1], "dk": diffs[2], "dv": diffs[3],
+                        "finite": bool(all(torch.isfinite(t).all() for t in (out, *grads)))}
+        report[attn]["ok"] = report[attn]["finite"] and max(diffs) < 0.1
+    return {**report, "ok": all(r["ok"] for r in report.values())}
+
+
+def nonfinite_trace(device: str, attn: str, arch: str = "llama") -> dict:
+    """Where a prefix-shared row of the tiny ``arch`` model in bf16 first goes non-finite: the modules whose forward
+    outputs or input gradients hold NaN/inf, in call order (empty lists: all finite)."""
+    from ds_packdpo.model.collate import collate_shared
+    from ds_packdpo.model.logps import forward_logps
+    from ds_packdpo.model.matrix import _model, matrix_pairs
+
+    model = _model(arch, attn, torch.bfloat16, device)
+    forward_bad, backward_bad = [], []
+
+    def finite(tensors) -> bool:
+        return all(torch.isfinite(t).all() for t in tensors if isinstance(t, torch.Tensor))
+
+    for name, module in model.named_modules():
+        module.register_forward_hook(lambda m, i, o, name=name: None if finite(o if isinstance(o, tuple) else (o,))
+                                     else forward_bad.append(name))
+        module.register_full_backward_hook(lambda m, gi, go, name=name: None if finite(gi) else
+                                           backward_bad.append(name))
+    pairs = matrix_pairs(4)
+    row = collate_shared(pairs, list(range(len(pairs))), 0).to(device)
+    result = forward_logps(model, row, attn)
+    result.logps.sum().backward()
+    bad_params = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    return {"arch": arch, "attn": attn, "forward_nonfinite": forward_bad[:8], "backward_nonfinite": backward_bad[:8],
+            "params_nonfinite_grad": bad_params[:8], "logps_finite": bool(torch.isfinite(result.logps).all())}
+
+
 def torch_varlen_semantics(device: str) -> dict:
     """torch_varlen's kernel against dense fp32 attention: which causal alignment it uses when a segment has fewer
     queries than keys, and whether it takes unrepeated grouped KV heads without ``enable_gqa``."""
@@ -153,6 +219,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="fp32,bf16",
                         help="comma-separated dtypes of the matrix for backends that run fp32 (the flash kernels: bf16)")
     parser.add_argument("--json-out", default=None, help="also write the JSON report to this file")
+    parser.add_argument("--kernels-only", action="store_true",
+                        help="only the shared-row kernels against dense attention and torch_varlen's semantics")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"ok": False, "error": "torch sees no CUDA device", "torch": torch.__version__}))
@@ -160,6 +228,15 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (TF32 would round matmuls to 10 bits)
     torch.backends.cudnn.allow_tf32 = False
     started = time.perf_counter()
+    kernels = [a for a in args.attn.split(",") if a in ("sdpa_varlen", "torch_varlen")
+               and (a != "torch_varlen" or args.device == "cuda")]
+    if args.kernels_only:
+        report = {"shared_kernels": shared_kernel_check(args.device, kernels), "torch": torch.__version__,
+                  "nonfinite_traces": [nonfinite_trace(args.device, attn) for attn in kernels],
+                  "torch_varlen_semantics": torch_varlen_semantics(args.device) if "torch_varlen" in kernels else None}
+        report["ok"] = report["shared_kernels"]["ok"]
+        print(json.dumps(report, indent=1))
+        return 0 if report["ok"] else 1
     results, usable = [], []
     for attn in args.attn.split(","):
         if is_flash(attn) and (args.device != "cuda" or not flash_attention_available(attn)):

@@ -302,3 +302,21 @@ def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):
                        "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "b")]) == 2
     assert "the data holds only 2 steps of 8 pairs" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_step_times_are_reduced_on_the_accelerator(monkeypatch):
+    """The slowest rank's step times are all-reduced from the accelerator's device (NCCL has no CPU tensors: the
+    H200 run's bench ended with 'No backend type associated with device type cpu')."""
+    from ds_packdpo import bench
+
+    seen = []
+
+    class Accelerator:
+        def current_device_name(self):
+            return "meta"
+
+    monkeypatch.setattr(bench, "get_accelerator", Accelerator)
+    monkeypatch.setattr(bench.dist, "all_reduce", lambda tensor, op: seen.append((tensor.device.type, op)))
+    with pytest.raises(NotImplementedError):  # a meta tensor has no values to read back: the reduce was reached
+        bench.slowest_rank_seconds([1.0, 2.0])
+    assert seen == [("meta", bench.dist.ReduceOp.MAX)]

@@ -74,24 +74,6 @@ def test_kernel_equals_dense_definition_values_and_gradients(window, softcap):
         shared_prefix_attention(q[:50], k[:50], v[:50], LAYOUT)
 
 
-@pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (3, 2.0)])
-def test_square_blocks_off_the_cpu_equal_the_definition(monkeypatch, window, softcap):
-    """Off the CPU a rejected block runs square over [prompt | rejected] (CUDA's masked sdpa gave NaN gradients
-    for fewer queries than keys): forced here, values and gradients against the dense fp64 definition."""
-    monkeypatch.setattr(prefix_attention, "square_blocks", lambda device: True)
-    q, k, v = random_qkv(LAYOUT.tokens, seed=5)
-    out = shared_prefix_attention(q, k, v, LAYOUT, sliding_window=window, softcap=softcap)
-    expected = dense_reference(q, k, v, LAYOUT, window, softcap)
-    assert (out - expected).abs().max() <= 1e-6
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
-    grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    for grad, reference in zip(grads, torch.autograd.grad(expected, (q, k, v), grad_out.double())):
-        assert (grad - reference).abs().max() <= 1e-5 * reference.abs().max()
-    monkeypatch.undo()
-    assert not prefix_attention.square_blocks(torch.device("cpu")) and \
-        prefix_attention.square_blocks(torch.device("cuda"))
-
-
 @pytest.mark.parametrize("window, softcap", [(None, None), (4, 2.0)])
 def test_flash_kernel_gathers_the_prompt_for_every_rejected_block(monkeypatch, window, softcap):
     """The one varlen call (its cu_seqlens and prompt gather) run through an emulation of flash-attn's varlen kernel."""

@@ -91,33 +91,17 @@ class _PrefixedCausal(torch.autograd.Function):
         return dq_prefix + dq_own, dk_prefix, dv_prefix, dk_own, dv_own, None
 
 
-def square_blocks(device: torch.device) -> bool:
-    """Whether a rejected block runs as a square causal call over ``[prompt | rejected]`` (its last R rows kept)
-    rather than R queries against P + R keys under a bottom-right mask.
-
-    Off the CPU: there torch's memory-efficient sdpa, which takes the masked call, returned NaN gradients when a
-    masked call had fewer queries than keys (measured on an H200, torch 2.11, bf16: every architecture's
-    prefix-shared rows, while the square masked calls of packed rows were exact).  The square call recomputes the
-    prompt's attention rows (P^2 / 2 more attention work, no more MLP) on this fallback path only: CUDA runs
-    ``torch_varlen`` or flash-attn by default."""
-    return device.type != "cpu"
-
-
 def _block_attention(q, k_prefix, v_prefix, k_own, v_own, scale: float, window: int | None,
-                     softcap: float | None, q_prefix=None) -> torch.Tensor:
+                     softcap: float | None) -> torch.Tensor:
     """``q`` [1, H, Lq, D] over the prefix keys (positions 0..Lp-1, none when ``k_prefix`` is None) and its own Lq
     keys (causal), aligned bottom-right; returns [1, H, Lq, D].  A window that binds or a soft-cap goes to the
-    per-sequence kernel over the concatenated keys (exact, slower); ``q_prefix`` (the prefix's own queries) makes
-    the call square where :func:`square_blocks` says so."""
+    per-sequence kernel over the concatenated keys (exact, slower)."""
     prefix = 0 if k_prefix is None else k_prefix.shape[2]
     binds = window is not None and window < prefix + q.shape[2]
-    if prefix and not square_blocks(q.device) and not (binds or softcap):
+    if prefix and q.device.type == "cpu" and not (binds or softcap):
         return _PrefixedCausal.apply(q, k_prefix, v_prefix, k_own, v_own, scale)
-    if not prefix:
-        return attend_sequence(q, k_own, v_own, scale, window, softcap)
-    k_own, v_own = torch.cat([k_prefix, k_own], dim=2), torch.cat([v_prefix, v_own], dim=2)
-    if square_blocks(q.device):
-        return attend_sequence(torch.cat([q_prefix, q], dim=2), k_own, v_own, scale, window, softcap)[:, :, prefix:]
+    if prefix:
+        k_own, v_own = torch.cat([k_prefix, k_own], dim=2), torch.cat([v_prefix, v_own], dim=2)
     return attend_sequence(q, k_own, v_own, scale, window, softcap)
 
 
@@ -142,7 +126,7 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         outputs.append(_block_attention(q[first], None, None, k[first], v[first], scale, sliding_window, softcap))
         if rejected:
             outputs.append(_block_attention(q[second], k[first][:, :, :prompt], v[first][:, :, :prompt], k[second],
-                                            v[second], scale, sliding_window, softcap, q[first][:, :, :prompt]))
+                                            v[second], scale, sliding_window, softcap))
     return torch.cat(outputs, dim=2)[0].transpose(0, 1)
 
 
