@@ -53,12 +53,12 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from ..config import TrainConfig
-from ..errors import DiskFullError, InputError, first_line
+from ..errors import DiskFullError, InputError
 from ..files import atomic_write, fsync_dir, fsync_tree
 from ..model.lora import LoraSettings, parameter_counts, save_adapter_config
 from . import faults
 from .layout import ParallelLayout, describe_sizes
-from .manifest import has_manifest, total_bytes, verify_manifest, write_manifest
+from .manifest import has_manifest, read_manifest, total_bytes, verify_manifest, write_manifest
 from .safe_load import code_in_pickle, weights_only_loading
 from .universal import UNIVERSAL_FOLDER, check_convertible, load_universal, seed_new_rank
 
@@ -210,8 +210,9 @@ def verify_checkpoint(path: str | Path) -> tuple[list[str], int]:
             lines.append(f"{tag_dir}: DAMAGED: {problem}")
             continue
         intact.append(tag_dir)
-        size, seconds = total_bytes(tag_dir), time.perf_counter() - started
-        lines.append(f"{tag_dir}: intact ({size:,} bytes verified in {seconds:.2f} s)")
+        files, seconds = read_manifest(tag_dir)["files"], time.perf_counter() - started
+        lines.append(f"{tag_dir}: intact ({len(files)} files, {total_bytes(tag_dir):,} bytes verified in "
+                     f"{seconds:.2f} s)")
     if not intact:
         raise InputError(f"verify-checkpoint {path}: no intact checkpoint ({'; '.join(lines)})")
     if len(intact) == len(tags):
@@ -453,7 +454,7 @@ class Checkpointer:
         free = shutil.disk_usage(self.save_dir).free
         kept = f"'{LATEST}' still names {previous}, intact" if previous else "no earlier checkpoint"
         return DiskFullError(f"rank {self.layout.rank}: no space left on the device of {self.save_dir} for checkpoint "
-                             f"{tag_dir.name}: it needs about {needed:,} bytes, {free:,} are free ({first_line(error)});"
+                             f"{tag_dir.name}: it needs about {needed:,} bytes, {free:,} are free ({error.strerror});"
                              f" {kept}; free space and relaunch with --resume auto")
 
     def restore(self, engine, point: ResumePoint) -> None:
