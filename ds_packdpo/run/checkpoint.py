@@ -130,7 +130,8 @@ def tag_problem(tag_dir: Path) -> tuple[dict | None, str | None]:
     missing = missing_files(tag_dir, state["layout"]["world_size"], state["zero_stage"])
     if missing:
         return None, f"incomplete checkpoint (missing {', '.join(missing)})"
-    for path in sorted(tag_dir.rglob("*.pt")):  # universal/ too: a resume at another layout loads it
+    # universal/ too (a resume at another layout loads it), not the staging folder of a conversion that died
+    for path in sorted(p for p in tag_dir.rglob("*.pt") if not p.relative_to(tag_dir).parts[0].startswith(".")):
         why = code_in_pickle(path)
         if why:
             return None, f"{path.relative_to(tag_dir)}: {why}; refused"
