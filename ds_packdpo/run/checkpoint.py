@@ -68,7 +68,8 @@ LATEST = "latest"
 TAG_PREFIX = "global_step"
 CLIENT_STATE_KEY = "ds_packdpo"
 STATE_VERSION = 2  # 2: the parallel layout (world, data-parallel and sequence-parallel sizes)
-# a first checkpoint's size, for the disk-full message: ZeRO's fp32 master weights and Adam's two moments
+# a first checkpoint's size, for the disk-full message: ZeRO's fp32 master weights and Adam's two moments of each
+# trained parameter
 BYTES_PER_PARAMETER = 12
 
 
@@ -449,7 +450,7 @@ class Checkpointer:
         latest = self.save_dir / LATEST
         previous = latest.read_text().strip() if latest.is_file() else None
         needed = (total_bytes(self.save_dir / previous) if previous else None) or \
-            BYTES_PER_PARAMETER * parameter_counts(engine.module)[1]
+            BYTES_PER_PARAMETER * parameter_counts(engine.module)[0]
         if self.layout.rank == 0:
             shutil.rmtree(tag_dir, ignore_errors=True)
         free = shutil.disk_usage(self.save_dir).free
