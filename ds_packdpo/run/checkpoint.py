@@ -235,10 +235,22 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Found | None:
 
 
 def resumes_in_place(cfg: TrainConfig) -> bool:
-    """True when --resume continues the run that lives in --output-dir (its own folder: no --overwrite needed)."""
-    found = checkpoint_to_resume(cfg)
-    return found is not None and found.state is not None and \
-        Path(found.state["output_dir"]).resolve() == Path(cfg.output_dir).resolve()
+    """True when --resume continues the run that lives in --output-dir (its own folder: no --overwrite needed).
+
+    Reads the state files alone: ``check_resume`` verifies the checkpoint it takes, once (it reads every byte).
+    """
+    if cfg.resume is None:
+        return False
+    path = resolved_save_dir(cfg) if cfg.resume == "auto" else Path(cfg.resume)
+    own = Path(cfg.output_dir).resolve()
+    for tag_dir in [path] if (path / STATE_FILE).is_file() else tag_dirs(path):
+        try:
+            state = json.loads((tag_dir / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict) and state.get("output_dir") and Path(state["output_dir"]).resolve() == own:
+            return True
+    return False
 
 
 def holds_checkpoints(save_dir: Path) -> bool:
