@@ -68,6 +68,9 @@ def test_chaos_kills_and_resumes_end_where_the_uninterrupted_run_ends(tmp_path, 
                    env=cpu_env(DS_PACKDPO_FAULT_KILL=f"{rank}:{step}:{point}"))
         # the launcher exits with the first failed rank's code: the killed one's (sys.exit(-9)) or its peer's
         assert proc.returncode in (256 - 9, 5), (point, proc.returncode, proc.stderr[-3000:])
+        if i:  # resumed from the checkpoint before the previous kill's step
+            resumed = save_dir / f"global_step{schedule[i - 1][2] - 1}"
+            assert f"resuming from {resumed} at step {schedule[i - 1][2] - 1}\n" in proc.stderr, proc.stderr[-3000:]
         logged = [r["step"] for r in read_metrics(tmp_path / "chaos" / "metrics.jsonl")]
         assert logged == list(range(1, step + (point == "save"))), (point, logged)  # a save follows its step's record
         assert (save_dir / LATEST).read_text() == f"global_step{step - 1}"
