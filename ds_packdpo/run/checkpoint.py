@@ -58,7 +58,7 @@ from ..files import atomic_write, fsync_dir, fsync_tree
 from ..model.lora import LoraSettings, parameter_counts, save_adapter_config
 from . import faults
 from .layout import ParallelLayout, describe_sizes
-from .manifest import has_manifest, read_manifest, total_bytes, verify_manifest, write_manifest
+from .manifest import has_manifest, manifest_problem, read_manifest, total_bytes, write_manifest
 from .safe_load import code_in_pickle, weights_only_loading
 from .universal import UNIVERSAL_FOLDER, check_convertible, load_universal, seed_new_rank
 
@@ -118,9 +118,9 @@ def tag_problem(tag_dir: Path) -> tuple[dict | None, str | None]:
     there, of its size and checksum), ours, complete (every rank's files) and holding no code in any pickle."""
     if not (tag_dir / STATE_FILE).is_file():
         return None, f"not a ds_packdpo checkpoint (no {STATE_FILE})"
-    verified = verify_manifest(tag_dir)
-    if verified.problem:
-        return None, verified.problem
+    problem = manifest_problem(tag_dir)
+    if problem:
+        return None, problem
     try:
         state = json.loads((tag_dir / STATE_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..files import atomic_write
@@ -66,34 +64,23 @@ def total_bytes(tag_dir: Path) -> int | None:
     return sum(entry["size"] for entry in manifest["files"].values()) if manifest else None
 
 
-@dataclass
-class Verified:
-    """The outcome of checking a tag against its manifest: ``problem`` is None when every file is whole."""
-
-    problem: str | None
-    files: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-def verify_manifest(tag_dir: Path) -> Verified:
-    """Every file the manifest lists is there, of its size and checksum (sizes first: a truncation costs no read)."""
-    started = time.perf_counter()
+def manifest_problem(tag_dir: Path) -> str | None:
+    """Why the tag is not whole, or None: every file its manifest lists is there, of its size and checksum (sizes
+    first: a truncation costs no read)."""
     if not has_manifest(tag_dir):
-        return Verified(f"no {MANIFEST_FILE} (its save did not finish)")
+        return f"no {MANIFEST_FILE} (its save did not finish)"
     manifest = read_manifest(tag_dir)
     if manifest is None:
-        return Verified(f"unreadable {MANIFEST_FILE}")
+        return f"unreadable {MANIFEST_FILE}"
     entries = manifest["files"]
     for name, entry in entries.items():
         path = tag_dir / name
         if not path.is_file():
-            return Verified(f"{name} is missing")
+            return f"{name} is missing"
         size = path.stat().st_size
         if size != entry["size"]:
-            return Verified(f"{name} is truncated or grew ({size} bytes, the manifest says {entry['size']})")
+            return f"{name} is truncated or grew ({size} bytes, the manifest says {entry['size']})"
     for name, entry in entries.items():
         if checksum(tag_dir / name) != entry["checksum"]:
-            return Verified(f"{name} was altered (its checksum differs from the manifest's)")
-    return Verified(None, len(entries), sum(entry["size"] for entry in entries.values()),
-                    time.perf_counter() - started)
+            return f"{name} was altered (its checksum differs from the manifest's)"
+    return None
