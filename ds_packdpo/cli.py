@@ -1,4 +1,5 @@
-"""``ds-packdpo``: train, prepare, pack-stats, check, precompute-ref, eval, export, bench and report.
+"""``ds-packdpo``: train, prepare, pack-stats, check, precompute-ref, eval, export, verify-checkpoint, bench and
+report.
 
 ``ds-packdpo train`` outside a launcher starts the deepspeed launcher itself
 (2 CPU ranks, or one per GPU), so the embedded default runs with one command;
@@ -254,6 +255,24 @@ def cmd_export(argv: list[str]) -> int:
     return run_guarded(job)
 
 
+def cmd_verify_checkpoint(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ds-packdpo verify-checkpoint",
+                                     description="Check checkpoints against their manifests (every file there, of its "
+                                     "size and checksum), every rank's files, and that no pickle would run code; "
+                                     "exit 0 all intact, 1 some damaged, 2 none intact.")
+    parser.add_argument("folder", help="A checkpoint folder (global_stepN), or a --save-dir (each of its checkpoints).")
+    args = parser.parse_args(argv)
+
+    def job() -> int:
+        from .run.checkpoint import verify_checkpoint
+
+        lines, code = verify_checkpoint(args.folder)
+        print("\n".join(lines))
+        return code
+
+    return run_guarded(job)
+
+
 def cmd_bench(argv: list[str]) -> int:
     from .bench import check_configurations, parse_bench_args
     from .bench import main as rank_main
@@ -287,7 +306,8 @@ def cmd_report(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_stats, "check": cmd_check,
-            "precompute-ref": cmd_precompute_ref, "eval": cmd_eval, "export": cmd_export, "bench": cmd_bench,
+            "precompute-ref": cmd_precompute_ref, "eval": cmd_eval, "export": cmd_export,
+            "verify-checkpoint": cmd_verify_checkpoint, "bench": cmd_bench,
             "report": cmd_report}
 
 

@@ -45,6 +45,12 @@ class PeerFailureError(RunAbortedError):
     exit_code = 5
 
 
+class DiskFullError(RunAbortedError):
+    """A checkpoint save ran out of space (or quota); the previous checkpoint and ``latest`` are intact."""
+
+    exit_code = 6
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message (its type name when it has none), for one-line errors."""
     text = str(error).strip()

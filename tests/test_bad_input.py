@@ -325,18 +325,21 @@ def test_check_blames_the_missing_model_folder_not_the_tokenizer(tmp_path, capsy
 
 
 def test_export_names_the_unreadable_shard(tmp_path, out_dir, demo_tokenizer, capsys):
-    """A damaged ZeRO shard (placeholder bytes, not a torch archive): its file named, not an UnpicklingError."""
+    """A damaged ZeRO shard (placeholder bytes, not a torch archive) that its manifest vouches for (damaged before the
+    save read it back): its file named, not an UnpicklingError."""
     from ds_packdpo.model.build import tiny_config
+    from ds_packdpo.run.manifest import write_manifest
 
     tag = fake_checkpoint(tmp_path / "ckpt" / "global_step3", 1, 1, dtype="fp32",
                           position={"epoch": 0, "epoch_step": 3, "global_step": 3})
     tiny_config(vocab_size=len(demo_tokenizer)).save_pretrained(tag / "hf")
     demo_tokenizer.save_pretrained(tag / "hf")
+    (tag / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x")
+    write_manifest(tag)
     before = snapshot(out_dir)
     code = cli.main(["export", "--checkpoint", str(tag), "--out", str(out_dir), "--overwrite"])
-    assert_one_line_error(code, capsys.readouterr().err,  # zero_to_fp32 reads the model states first
-                          f"--checkpoint {tag}: zero_pp_rank_0_mp_rank_00_model_states.pt is unreadable (corrupt or "
-                          "truncated: ")
+    assert_one_line_error(code, capsys.readouterr().err,
+                          f"--checkpoint {tag}: zero_pp_rank_0_mp_rank_00_model_states.pt: not a torch.save archive (")
     assert snapshot(out_dir) == before
 
 

@@ -20,6 +20,7 @@ from test_scale import closed_form
 
 from ds_packdpo import cli
 from ds_packdpo.run.checkpoint import LATEST, STATE_FILE
+from ds_packdpo.run.manifest import MANIFEST_FILE
 
 COMMON = ["--synthetic-pairs", "48", "--global-batch-pairs", "8", "--max-length", "96", "--lr", "1e-3",
           "--dtype", "fp32", "--no-progress", "--max-steps", "6"]
@@ -274,7 +275,9 @@ def test_front_command_exits_5_when_a_rank_is_killed(tmp_path, monkeypatch, caps
 
 
 def fake_checkpoint(tag_dir: Path, world_size: int, ranks_written: int, **state) -> Path:
-    """A tag folder with the files of ``ranks_written`` of ``world_size`` ranks (placeholder content)."""
+    """A tag folder with the files of ``ranks_written`` of ``world_size`` ranks (small tensors) and its manifest."""
+    from ds_packdpo.run.manifest import write_manifest
+
     (tag_dir / "hf").mkdir(parents=True)
     (tag_dir / "hf" / "config.json").write_text("{}")
     full_state = {"version": 2, "layout": {"world_size": world_size, "dp_size": world_size, "sp_size": 1},
@@ -283,7 +286,8 @@ def fake_checkpoint(tag_dir: Path, world_size: int, ranks_written: int, **state)
     for rank in range(ranks_written):
         for name in (f"rng_rank{rank}.pt", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
                      f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"):
-            (tag_dir / name).write_bytes(b"x")
+            torch.save({"rank": rank, "tensor": torch.arange(4)}, tag_dir / name)
+    write_manifest(tag_dir)
     return tag_dir
 
 
@@ -320,13 +324,18 @@ def test_rng_state_round_trips_with_weights_only(tmp_path):
     assert restored[2] == expected[2]
 
 
-def test_prune_keeps_the_newest(tmp_path):
+def test_prune_keeps_the_newest_intact(tmp_path):
+    """--save-total-limit counts whole checkpoints (with a manifest) only: partial saves of a crashed run never push
+    an intact one out; those older than 'latest' go, a newer one (the next save replaces it) stays."""
     from ds_packdpo.run.checkpoint import prune
 
-    for step in (3, 6, 9, 12):
+    for step in (3, 6, 9, 12, 15):
         (tmp_path / f"global_step{step}").mkdir()
-    assert prune(tmp_path, 2, "global_step12") == ["global_step3", "global_step6"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step12", "global_step9"]
+    for step in (3, 6, 12):
+        (tmp_path / f"global_step{step}" / MANIFEST_FILE).write_text("{}")
+    assert prune(tmp_path, 2, "global_step12") == ["global_step3", "global_step9"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step12", "global_step15", "global_step6"]
+    assert prune(tmp_path, 1, "global_step12") == ["global_step6"]
 
 
 def test_trim_metrics_drops_undone_and_torn_records(tmp_path):
@@ -391,14 +400,15 @@ class _FakeEngine:
 
 def test_save_syncs_every_file_before_latest_moves(tmp_path, monkeypatch):
     """Every file of a checkpoint (ours and DeepSpeed's), its folders and its entry are fsynced before 'latest' is
-    replaced, and 'latest' itself (with its folder) after."""
+    replaced, and 'latest' itself (with its folder) after; the manifest, listing every other file of the tag with its
+    size and checksum, is the last file written (synced, renamed into place) before 'latest' moves."""
     from types import SimpleNamespace
 
     from ds_packdpo.config import parse_train_args
     from ds_packdpo.run import checkpoint as ckpt
     from ds_packdpo.run.layout import ParallelLayout
 
-    synced, when_latest_moved = [], []
+    synced, when_latest_moved, replaced = [], [], []
     real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd):
@@ -406,6 +416,7 @@ def test_save_syncs_every_file_before_latest_moves(tmp_path, monkeypatch):
         real_fsync(fd)
 
     def replace(src, dst):
+        replaced.append(Path(dst).name)
         if Path(dst).name == LATEST:
             when_latest_moved.append(list(synced))
         real_replace(src, dst)
@@ -422,7 +433,13 @@ def test_save_syncs_every_file_before_latest_moves(tmp_path, monkeypatch):
     assert {p.name for p in everything} >= {STATE_FILE, "rng_rank0.pt", "hf", "config.json", "tokenizer.json",
                                              "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
     [before] = when_latest_moved
-    assert everything | {tag_dir.parent} <= set(before), everything - set(before)
+    manifest = tag_dir / MANIFEST_FILE
+    assert (everything - {manifest}) | {tag_dir.parent} <= set(before), everything - set(before)
+    assert replaced == [MANIFEST_FILE, LATEST]  # the manifest's temporary file was synced, then renamed
+    assert any(p.name.startswith(f".{MANIFEST_FILE}.") for p in before)
+    listed = json.loads(manifest.read_text())["files"]
+    assert set(listed) == {str(p.relative_to(tag_dir)) for p in everything if p.is_file() and p != manifest}
+    assert listed["zero_pp_rank_0_mp_rank_00_optim_states.pt"]["size"] == len(b"shard")
     assert synced[-1] == tag_dir.parent and (tag_dir.parent / LATEST).read_text() == tag_dir.name
 
 

@@ -35,6 +35,7 @@ from ds_packdpo.model.lora import LoraSettings, add_adapters, as_reference
 from ds_packdpo.report import loss_max_rel_diff
 from ds_packdpo.run.assemble import prepare, trainable_line
 from ds_packdpo.run.checkpoint import LATEST
+from ds_packdpo.run.manifest import write_manifest
 
 TARGETS = "q_proj,v_proj,down_proj,lm_head"  # the lm_head too: the lean log-probs' low-rank head term
 # A constant LR: the 3-step runs below are compared with the first 3 steps of a 6-step one.
@@ -276,5 +277,6 @@ def test_lora_resumes_exactly_after_a_kill_and_exports_the_engines_log_probs(str
     full = straight / "full_checkpoint"
     shutil.copytree(checkpoint, full)
     (full / "hf" / "adapter_config.json").unlink()
+    write_manifest(full)  # a whole checkpoint, as a full fine-tuning run writes it
     assert cli.main(["export", "--checkpoint", str(full), "--out", str(straight / "refused"), "--adapter-only"]) == 2
     assert "was trained without LoRA" in capsys.readouterr().err and not (straight / "refused").exists()

@@ -215,7 +215,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
         setup.resume = check_resume(cfg, prepared.fingerprint, layout)
         if setup.resume is not None and setup.resume.universal:
             if layout.rank == 0:  # once, before any process group: the other ranks wait for rank 0 to start it
-                ensure_universal(setup.resume.tag_dir)
+                ensure_universal(setup.resume.tag_dir, setup.resume.global_step)
             setup.ds_config = with_universal_loading(setup.ds_config)
     if command in EVALUATING_COMMANDS:
         setup.precomputed = load_precomputed_reference(setup)

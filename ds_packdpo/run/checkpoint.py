@@ -8,16 +8,24 @@ Layout of ``--save-dir`` (default ``OUTPUT_DIR/checkpoints``)::
         rng_rank{r}.pt              RNG states of rank r: plain tensors/ints, loads with weights_only=True
         hf/                         model config + tokenizer (save_pretrained), and a LoRA run's adapter_config.json
                                     (its base model's folder in base_model_name_or_path): export needs nothing else
+        manifest.json               every file above with its size and checksum, written last (run/manifest.py)
         universal/                  made by the first resume at another layout (--allow-new-layout)
     latest                          tag of the newest *complete* checkpoint
 
 DeepSpeed writes the tag with ``save_latest=False``; after its closing barrier every rank
 fsyncs the files it wrote (its RNG file, its ZeRO shards), and rank 0 checks that every
-rank's files are there, fsyncs the whole folder (our state, hf/, every shard) and its
-entry, and only then replaces ``latest`` (temporary file, fsync, ``os.replace``, fsync of
-the folder: ``files.atomic_write``).  A crash during a save therefore leaves ``latest`` on
-the previous complete checkpoint, a power loss cannot leave it naming files that never
-reached the disk, and resuming never reads a partial one.
+rank's files are there, fsyncs the whole folder (our state, hf/, every shard), writes the
+manifest from what is on the disk, syncs it and the folder's entry, and only then replaces
+``latest`` (temporary file, fsync, ``os.replace``, fsync of the folder: ``files.atomic_write``).
+A crash during a save therefore leaves ``latest`` on the previous complete checkpoint and
+the new tag without a manifest, and a power loss cannot leave ``latest`` naming files that
+never reached the disk.
+
+Before anything loads a checkpoint (resume, in phase one on every rank; export) it is
+verified: every file of its manifest there, of its size and checksum, every rank's files
+present, and no pickle that names a global beyond tensors, containers and DeepSpeed's few
+types (``run/safe_load.py``; DeepSpeed's own loads are then forced to ``weights_only=True``).
+``--resume auto`` takes the newest checkpoint that passes, saying why it passed over newer ones.
 
 A checkpoint loads at the layout that wrote it; with ``--allow-new-layout`` at any other
 (``run/universal.py``: DeepSpeed's universal format, converted once into ``universal/``).
@@ -25,18 +33,17 @@ A checkpoint loads at the layout that wrote it; with ``--allow-new-layout`` at a
 The position and the fingerprint also travel in DeepSpeed's ``client_state``, but
 resume reads them from the JSON file: that needs no ``torch.load`` and happens in
 phase one, so an incompatible checkpoint fails before any process group starts.
-(DeepSpeed itself loads its ``.pt`` files with ``torch.load(weights_only=False)``
-in ``TorchCheckpointEngine.load`` and in ``zero_to_fp32``: only resume from
-checkpoints you trust.)
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +53,13 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from ..config import TrainConfig
-from ..errors import InputError
+from ..errors import DiskFullError, InputError
 from ..files import atomic_write, fsync_dir, fsync_tree
-from ..model.lora import LoraSettings, save_adapter_config
+from ..model.lora import LoraSettings, parameter_counts, save_adapter_config
+from . import faults
 from .layout import ParallelLayout, describe_sizes
+from .manifest import has_manifest, manifest_problem, read_manifest, total_bytes, write_manifest
+from .safe_load import code_in_pickle, weights_only_loading
 from .universal import UNIVERSAL_FOLDER, check_convertible, load_universal, seed_new_rank
 
 STATE_FILE = "ds_packdpo_state.json"
@@ -58,10 +68,18 @@ LATEST = "latest"
 TAG_PREFIX = "global_step"
 CLIENT_STATE_KEY = "ds_packdpo"
 STATE_VERSION = 2  # 2: the parallel layout (world, data-parallel and sequence-parallel sizes)
+# a first checkpoint's size, for the disk-full message: ZeRO's fp32 master weights and Adam's two moments of each
+# trained parameter
+BYTES_PER_PARAMETER = 12
 
 
 def tag_name(global_step: int) -> str:
     return f"{TAG_PREFIX}{global_step}"
+
+
+def _tag_step(path: Path) -> int | None:
+    match = re.fullmatch(rf"{TAG_PREFIX}(\d+)", path.name)
+    return int(match.group(1)) if match and path.is_dir() else None
 
 
 def resolved_save_dir(cfg: TrainConfig) -> Path:
@@ -95,56 +113,144 @@ def missing_files(tag_dir: Path, world_size: int, zero_stage: int) -> list[str]:
     return missing
 
 
-def read_state(tag_dir: Path, where: str) -> dict:
+def tag_problem(tag_dir: Path) -> tuple[dict | None, str | None]:
+    """(its state, None) for a checkpoint that can be loaded, else (None, why not): whole (every file of its manifest
+    there, of its size and checksum), ours, complete (every rank's files) and holding no code in any pickle."""
+    if not (tag_dir / STATE_FILE).is_file():
+        return None, f"not a ds_packdpo checkpoint (no {STATE_FILE})"
+    problem = manifest_problem(tag_dir)
+    if problem:
+        return None, problem
     try:
         state = json.loads((tag_dir / STATE_FILE).read_text())
-    except FileNotFoundError:
-        raise InputError(f"{where} {tag_dir}: not a ds_packdpo checkpoint (no {STATE_FILE})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{where} {tag_dir}: unreadable {STATE_FILE} ({exc})") from None
+        return None, f"unreadable {STATE_FILE} ({exc})"
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-        raise InputError(f"{where} {tag_dir}: {STATE_FILE} has an unknown layout (version {state.get('version')!r})")
-    return state
-
-
-def complete_tag_dir(tag_dir: Path, where: str) -> tuple[Path, dict]:
-    """(tag folder, its state) after checking that every rank's files are there."""
-    state = read_state(tag_dir, where)
+        version = state.get("version") if isinstance(state, dict) else None
+        return None, f"{STATE_FILE} has an unknown layout (version {version!r})"
     missing = missing_files(tag_dir, state["layout"]["world_size"], state["zero_stage"])
     if missing:
-        raise InputError(f"{where} {tag_dir}: incomplete checkpoint (missing {', '.join(missing)})")
+        return None, f"incomplete checkpoint (missing {', '.join(missing)})"
+    # universal/ too (a resume at another layout loads it), not the staging folder of a conversion that died
+    for path in sorted(p for p in tag_dir.rglob("*.pt") if not p.relative_to(tag_dir).parts[0].startswith(".")):
+        why = code_in_pickle(path)
+        if why:
+            return None, f"{path.relative_to(tag_dir)}: {why}; refused"
+    return state, None
+
+
+def intact_tag_dir(tag_dir: Path, where: str) -> tuple[Path, dict]:
+    """(tag folder, its state) after checking that it can be loaded (``tag_problem``)."""
+    state, problem = tag_problem(tag_dir)
+    if problem:
+        raise InputError(f"{where} {tag_dir}: {problem}")
     return tag_dir, state
 
 
 def resolve_checkpoint(path: str | Path, where: str) -> tuple[Path, dict]:
-    """A tag folder, or a save folder whose ``latest`` names one -> (complete tag folder, its state)."""
+    """A tag folder, or a save folder whose ``latest`` names one -> (intact tag folder, its state)."""
     path = Path(path)
     if (path / STATE_FILE).is_file():
-        return complete_tag_dir(path, where)
+        return intact_tag_dir(path, where)
     if (path / LATEST).is_file():
         tag = (path / LATEST).read_text().strip()
-        return complete_tag_dir(path / tag, where)
+        return intact_tag_dir(path / tag, where)
     if not path.exists():
         raise InputError(f"{where} {path}: no such checkpoint folder")
     raise InputError(f"{where} {path}: neither a checkpoint (no {STATE_FILE}) nor a save folder (no '{LATEST}' file)")
 
 
-def checkpoint_to_resume(cfg: TrainConfig) -> tuple[Path, dict] | None:
-    """The complete checkpoint ``--resume`` asks for; None to start fresh (no --resume, or auto and none yet)."""
+def tag_dirs(save_dir: Path) -> list[Path]:
+    """The checkpoint folders of a save folder, oldest step first."""
+    if not save_dir.is_dir():
+        return []
+    steps = {path: _tag_step(path) for path in save_dir.iterdir()}
+    return sorted((path for path, step in steps.items() if step is not None), key=steps.get)
+
+
+@dataclass
+class Found:
+    """What ``--resume auto`` found in a save folder: the newest intact checkpoint (None: none is), and why each
+    newer one was passed over."""
+
+    tag_dir: Path | None
+    state: dict | None
+    skipped: list[str]
+
+
+def newest_intact(save_dir: Path) -> Found:
+    """The newest checkpoint of ``save_dir`` that ``tag_problem`` passes (newer than ``latest`` too: a save that
+    died between its manifest and ``latest`` is whole), and the reasons the newer ones failed."""
+    skipped = []
+    for tag_dir in reversed(tag_dirs(save_dir)):
+        state, problem = tag_problem(tag_dir)
+        if problem is None:
+            return Found(tag_dir, state, skipped)
+        skipped.append(f"{tag_dir.name}: {problem}")
+    return Found(None, None, skipped)
+
+
+def verify_checkpoint(path: str | Path) -> tuple[list[str], int]:
+    """``ds-packdpo verify-checkpoint``: one line per checkpoint of a save folder (newest first) or for one tag
+    folder, and the exit code: 0 every one intact, 1 a damaged one (a resume would pass it over: the line says which
+    it takes), 2 none intact."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        tags = [path]
+    elif tag_dirs(path):
+        tags = list(reversed(tag_dirs(path)))
+    elif path.is_dir():
+        raise InputError(f"verify-checkpoint {path}: neither a checkpoint (no {STATE_FILE}) nor a save folder (no "
+                         f"{TAG_PREFIX}* folder)")
+    else:
+        raise InputError(f"verify-checkpoint {path}: no such checkpoint folder")
+    lines, intact = [], []
+    for tag_dir in tags:
+        started = time.perf_counter()
+        _, problem = tag_problem(tag_dir)
+        if problem:
+            lines.append(f"{tag_dir}: DAMAGED: {problem}")
+            continue
+        intact.append(tag_dir)
+        files, seconds = read_manifest(tag_dir)["files"], time.perf_counter() - started
+        lines.append(f"{tag_dir}: intact ({len(files)} files, {total_bytes(tag_dir):,} bytes verified in "
+                     f"{seconds:.2f} s)")
+    if not intact:
+        raise InputError(f"verify-checkpoint {path}: no intact checkpoint ({'; '.join(lines)})")
+    if len(intact) == len(tags):
+        return lines, 0
+    lines.append(f"--resume auto would load {intact[0]}")
+    return lines, 1
+
+
+def checkpoint_to_resume(cfg: TrainConfig) -> Found | None:
+    """The checkpoint ``--resume`` asks for; None to start fresh (no --resume, or auto and no checkpoint yet)."""
     if cfg.resume is None:
         return None
     if cfg.resume == "auto":
         save_dir = resolved_save_dir(cfg)
-        if not (save_dir / LATEST).is_file():
-            return None
-        return resolve_checkpoint(save_dir, "--resume auto: --save-dir")
-    return resolve_checkpoint(cfg.resume, "--resume")
+        found = newest_intact(save_dir)
+        return found if found.tag_dir is not None or found.skipped else None
+    return Found(*resolve_checkpoint(cfg.resume, "--resume"), skipped=[])
 
 
 def resumes_in_place(cfg: TrainConfig) -> bool:
-    """True when --resume continues the run that lives in --output-dir (its own folder: no --overwrite needed)."""
-    found = checkpoint_to_resume(cfg)
-    return found is not None and Path(found[1]["output_dir"]).resolve() == Path(cfg.output_dir).resolve()
+    """True when --resume continues the run that lives in --output-dir (its own folder: no --overwrite needed).
+
+    Reads the state files alone: ``check_resume`` verifies the checkpoint it takes, once (it reads every byte).
+    """
+    if cfg.resume is None:
+        return False
+    path = resolved_save_dir(cfg) if cfg.resume == "auto" else Path(cfg.resume)
+    own = Path(cfg.output_dir).resolve()
+    for tag_dir in [path] if (path / STATE_FILE).is_file() else tag_dirs(path):
+        try:
+            state = json.loads((tag_dir / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict) and state.get("output_dir") and Path(state["output_dir"]).resolve() == own:
+            return True
+    return False
 
 
 def holds_checkpoints(save_dir: Path) -> bool:
@@ -160,19 +266,21 @@ class ResumePoint:
     bad_steps: int      # consecutive skipped steps so far
     saved_world_size: int = 1  # ranks that wrote the checkpoint (their RNG files exist)
     universal: bool = False    # written at another layout: loaded from its universal form
+    skipped: tuple[str, ...] = ()  # --resume auto: the newer checkpoints passed over, each with its reason
 
 
 def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout) -> ResumePoint | None:
     """Phase one: the checkpoint to resume, checked against this run (data, plan, layout); None = fresh start."""
     found = checkpoint_to_resume(cfg)
     save_dir = resolved_save_dir(cfg)
-    if found is None:
+    if found is None or found.tag_dir is None:
         if holds_checkpoints(save_dir) and not cfg.overwrite:
-            hint = ("holds no complete checkpoint to resume, only partial saves" if cfg.resume == "auto"
+            hint = (f"holds no intact checkpoint to resume ({'; '.join(found.skipped)})" if found
+                    else "holds no complete checkpoint to resume, only partial saves" if cfg.resume == "auto"
                     else "holds checkpoints of an earlier run (pass --resume auto to continue it)")
             raise InputError(f"--save-dir {save_dir}: {hint}; pass --overwrite to start afresh")
         return None
-    tag_dir, state = found
+    tag_dir, state = found.tag_dir, found.state
     where = f"--resume {tag_dir}"
     if state["plan_fingerprint"] != plan_fingerprint(cfg, data_fingerprint):
         raise InputError(f"{where}: the checkpoint was written for other data or plan settings (dataset, tokenizer, "
@@ -195,7 +303,8 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout
         check_convertible(tag_dir, state["zero_stage"])
     position = state["position"]
     return ResumePoint(tag_dir, position["epoch"], position["epoch_step"], position["global_step"],
-                       state["bad_steps"], state["layout"]["world_size"], universal=new_layout)
+                       state["bad_steps"], state["layout"]["world_size"], universal=new_layout,
+                       skipped=tuple(found.skipped))
 
 
 def describe_training(lora: dict | None) -> str:
@@ -224,7 +333,7 @@ def restore_rng(point: ResumePoint, rank: int, seed: int) -> None:
     """This rank's saved RNG streams, or, for a rank the checkpoint's layout did not have, fresh ones from (seed,
     step, rank)."""
     if rank < point.saved_world_size:
-        set_rng_state(torch.load(point.tag_dir / f"rng_rank{rank}.pt", weights_only=True))
+        set_rng_state(torch.load(point.tag_dir / f"rng_rank{rank}.pt", weights_only=True))  # ours: no DeepSpeed type
     else:
         seed_new_rank(seed, point.global_step, rank)
 
@@ -252,19 +361,18 @@ def files_of_rank(tag_dir: Path, rank: int) -> list[Path]:
     return [tag_dir / f"rng_rank{rank}.pt", *tag_dir.glob(f"*zero_pp_rank_{rank}_*")]
 
 
-def _tag_step(path: Path) -> int | None:
-    match = re.fullmatch(rf"{TAG_PREFIX}(\d+)", path.name)
-    return int(match.group(1)) if match and path.is_dir() else None
-
-
 def prune(save_dir: Path, keep: int, latest_tag: str) -> list[str]:
-    """Deletes the oldest tags beyond the newest ``keep`` (never ``latest``); returns the deleted names."""
-    tags = sorted((step, path) for path in save_dir.iterdir() if (step := _tag_step(path)) is not None)
-    doomed = [path for _, path in tags[:-keep]] if keep < len(tags) else []
+    """Deletes the checkpoints beyond the newest ``keep`` whole ones (those with a manifest) and the partial saves
+    older than ``latest``; never ``latest`` (the save that calls this has just written its manifest: it is the
+    newest intact one).  Returns the deleted names."""
+    tags = tag_dirs(save_dir)
+    whole = [path for path in tags if has_manifest(path)]
+    kept = {path.name for path in whole[-keep:]} | {latest_tag}
+    latest_step = _tag_step(save_dir / latest_tag)
+    doomed = [path for path in tags if path.name not in kept and (has_manifest(path) or _tag_step(path) < latest_step)]
     for path in doomed:
-        if path.name != latest_tag:
-            shutil.rmtree(path)
-    return [p.name for p in doomed if p.name != latest_tag]
+        shutil.rmtree(path)
+    return [path.name for path in doomed]
 
 
 class Checkpointer:
@@ -283,7 +391,10 @@ class Checkpointer:
         return bool(every) and (global_step % every == 0 or last)
 
     def save(self, engine, global_step: int, next_epoch: int, next_epoch_step: int, bad_steps: int) -> Path:
-        """All ranks: write the tag, then rank 0 verifies it and moves ``latest`` (plus retention)."""
+        """All ranks: write the tag; then rank 0 checks it, writes its manifest and moves ``latest`` (plus retention).
+
+        A disk that fills up on the way ends the job (``DiskFullError``) with ``latest`` on the previous checkpoint.
+        """
         rank = self.layout.rank
         tag = tag_name(global_step)
         tag_dir = self.save_dir / tag
@@ -308,6 +419,18 @@ class Checkpointer:
             "output_dir": str(Path(self.cfg.output_dir).resolve()),
             "lora": LoraSettings.record(self.cfg),  # its adapter config is in hf/ too
         }
+        try:
+            with faults.full_disk(rank, global_step):
+                self._write(engine, tag_dir, state)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise self._disk_full(engine, tag_dir, error) from error
+        self.saved_step = global_step
+        return tag_dir
+
+    def _write(self, engine, tag_dir: Path, state: dict) -> None:
+        rank, tag = self.layout.rank, tag_dir.name
         torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
         if rank == 0:
             engine.module.config.save_pretrained(tag_dir / HF_FOLDER)
@@ -317,6 +440,7 @@ class Checkpointer:
             (tag_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         engine.save_checkpoint(str(self.save_dir), tag=tag, client_state={CLIENT_STATE_KEY: state},
                                save_latest=False)  # ends with a barrier: every rank's files are written
+        faults.kill_point(rank, state["position"]["global_step"], "save")
         for path in files_of_rank(tag_dir, rank):
             fsync_tree(path)  # by the rank that wrote it: on a shared file system only its node holds the dirty pages
         dist.barrier()
@@ -326,27 +450,45 @@ class Checkpointer:
                 raise RuntimeError(f"checkpoint {tag_dir} is incomplete after saving (missing {', '.join(missing)}); "
                                    f"'{LATEST}' still names the previous one")
             fsync_tree(tag_dir)  # our state, hf/, and (on one node) every rank's files
+            write_manifest(tag_dir)  # last: read back from the disk, synced with its folder
             fsync_dir(self.save_dir)  # the tag folder's own entry, before 'latest' names it
             write_latest(self.save_dir, tag)
             if self.cfg.save_total_limit:
                 prune(self.save_dir, self.cfg.save_total_limit, tag)
-        self.saved_step = global_step
-        return tag_dir
+
+    def _disk_full(self, engine, tag_dir: Path, error: OSError) -> DiskFullError:
+        """The one line of a save that ran out of space; rank 0 removes the partial tag (no manifest: never
+        resumed) to give the space back."""
+        latest = self.save_dir / LATEST
+        previous = latest.read_text().strip() if latest.is_file() else None
+        needed = (total_bytes(self.save_dir / previous) if previous else None) or \
+            BYTES_PER_PARAMETER * parameter_counts(engine.module)[0]
+        if self.layout.rank == 0:
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        free = shutil.disk_usage(self.save_dir).free
+        kept = f"'{LATEST}' still names {previous}, intact" if previous else "no earlier checkpoint"
+        return DiskFullError(f"rank {self.layout.rank}: no space left on the device of {self.save_dir} for checkpoint "
+                             f"{tag_dir.name}: it needs about {needed:,} bytes, {free:,} are free ({error.strerror});"
+                             f" {kept}; free space and relaunch with --resume auto")
 
     def restore(self, engine, point: ResumePoint) -> None:
         """Loads the DeepSpeed state (weights, optimizer, LR schedule, step counters) and this rank's RNG.
 
         At a new layout the engine (configured with ``load_universal``) reads the universal form that phase one made.
         """
+        if self.layout.rank == 0 and point.skipped:
+            # 'latest' named a damaged checkpoint: it now names the one loaded, so the next save may replace the other
+            write_latest(point.tag_dir.parent, point.tag_dir.name)
         load_dir, tag = (point.tag_dir, UNIVERSAL_FOLDER) if point.universal else (point.tag_dir.parent,
                                                                                    point.tag_dir.name)
         if not (load_dir / tag).is_dir():
             raise RuntimeError(f"checkpoint {load_dir / tag} is missing (phase one on rank 0 converts it)")
-        if point.universal:
-            load_path, client_state = load_universal(engine, load_dir)
-        else:
-            load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                                             load_lr_scheduler_states=True)
+        with weights_only_loading():
+            if point.universal:
+                load_path, client_state = load_universal(engine, load_dir)
+            else:
+                load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                                 load_lr_scheduler_states=True)
         if load_path is None or CLIENT_STATE_KEY not in (client_state or {}):
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {load_dir / tag}")
         if client_state[CLIENT_STATE_KEY]["position"]["global_step"] != point.global_step:

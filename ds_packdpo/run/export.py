@@ -30,6 +30,7 @@ from ..model.build import TORCH_DTYPES
 from ..model.hf_folder import DEFAULT_MAX_SHARD_SIZE, WeightsSource, shard_size_bytes, write_hf_folder
 from ..model.lora import ADAPTER_CONFIG_FILE, merged_weights, write_adapter_folder
 from .checkpoint import HF_FOLDER, resolve_checkpoint
+from .safe_load import weights_only_loading
 
 
 def check_export_target(out: Path, overwrite: bool) -> None:
@@ -55,8 +56,8 @@ def unreadable_shard(tag_dir: Path) -> Path | None:
 
 def _lazy_fp32_state_dict(tag_dir: Path) -> dict:
     """DeepSpeed's lazy fp32 state dict of ``tag_dir`` (its progress lines silenced: one read per output shard)."""
-    # DeepSpeed reads its shards with torch.load(weights_only=False): export only checkpoints you trust.
-    with open(os.devnull, "w") as quiet, redirect_stdout(quiet), redirect_stderr(quiet):
+    # DeepSpeed reads its shards with torch.load(weights_only=False): forced to True here (run/safe_load.py)
+    with open(os.devnull, "w") as quiet, redirect_stdout(quiet), redirect_stderr(quiet), weights_only_loading():
         return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name, lazy_mode=True)
 
 

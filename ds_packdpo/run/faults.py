@@ -1,22 +1,86 @@
 """Fault-injection points for the fault-tolerance tests; inert unless their environment variable is set.
 
-``DS_PACKDPO_FAULT_KILL=RANK:STEP``   rank RANK SIGKILLs itself as optimizer step STEP begins.
+``DS_PACKDPO_FAULT_KILL=RANK:STEP[:POINT]``  rank RANK SIGKILLs itself during optimizer step STEP, at POINT:
+    ``step`` (the default: as the step begins), ``forward`` (inside the policy's forward, in a middle layer),
+    ``backward`` (inside the backward, as the gradient reaches that layer), ``save`` (the step's checkpoint: every
+    rank's files written, no manifest yet), ``universal`` (rank 0 converting checkpoint STEP for --allow-new-layout:
+    the universal form written, not yet renamed into place).
 ``DS_PACKDPO_FAULT_NAN_STEPS=S1,S2``  the loss of those optimizer steps is NaN on every rank.
+``DS_PACKDPO_FAULT_DISK_FULL=RANK:STEP``  on rank RANK the checkpoint of step STEP runs out of space in DeepSpeed's
+    writer: the first ``*optim_states.pt`` gets half its bytes, then ``OSError(ENOSPC)``.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import os
+import re
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
 
 KILL_ENV = "DS_PACKDPO_FAULT_KILL"
 NAN_ENV = "DS_PACKDPO_FAULT_NAN_STEPS"
+DISK_FULL_ENV = "DS_PACKDPO_FAULT_DISK_FULL"
 
 
-def kill_point(rank: int, step: int) -> None:
-    if os.environ.get(KILL_ENV) == f"{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+def kill_requested(rank: int, step: int, point: str = "step") -> bool:
+    spec = os.environ.get(KILL_ENV, "")
+    return spec == f"{rank}:{step}:{point}" or (point == "step" and spec == f"{rank}:{step}")
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_point(rank: int, step: int, point: str = "step") -> None:
+    if kill_requested(rank, step, point):
+        die()
+
+
+def arm_kill_in_model(model: torch.nn.Module, rank: int, step: int) -> list:
+    """Installs this step's ``forward``/``backward`` kill point on a middle decoder layer of ``model``; returns the
+    hook handles to remove after the step (none when no such kill is asked for)."""
+    point = next((p for p in ("forward", "backward") if kill_requested(rank, step, p)), None)
+    if point is None:
+        return []
+    layers = [module for name, module in model.named_modules() if re.search(r"layers\.\d+$", name)] or [model]
+    layer = layers[len(layers) // 2]
+
+    def hook(module, args, output):
+        if point == "forward":
+            die()
+        out = output[0] if isinstance(output, tuple) else output
+        if torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(lambda grad: die())
+
+    return [layer.register_forward_hook(hook)]
 
 
 def nan_step(step: int) -> bool:
     return str(step) in os.environ.get(NAN_ENV, "").split(",")
+
+
+@contextmanager
+def full_disk(rank: int, step: int) -> Iterator[None]:
+    """While a checkpoint is written: the disk-full fault, when asked for this rank and step."""
+    if os.environ.get(DISK_FULL_ENV) != f"{rank}:{step}":
+        yield
+        return
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if not str(f).endswith("optim_states.pt"):
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        with open(f, "wb") as handle:
+            handle.write(buffer.getbuffer()[: buffer.tell() // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+
+    with mock.patch.object(torch, "save", save):
+        yield

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -158,6 +159,12 @@ def export_on_end(setup: RunSetup) -> None:
                       overwrite=cfg.overwrite or setup.resume is not None, max_shard_size=cfg.max_shard_size)
 
 
+def describe_resume(point: ResumePoint) -> str:
+    """The line a resumed run starts with: the checkpoint it loaded, and the newer ones it passed over and why."""
+    passed = f" (passed over {'; '.join(point.skipped)})" if point.skipped else ""
+    return f"resuming from {point.tag_dir} at step {point.global_step}{passed}"
+
+
 def train_loop(run: Run, summary: dict) -> list[dict]:
     """The steps of an assembled training run on this rank; returns the per-step metrics (rank 0 also writes them)."""
     setup, cfg = run.setup, run.setup.cfg
@@ -166,6 +173,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
     resume = setup.resume
     if resume is not None:
         checkpointer.restore(run.policy, resume)
+        if setup.layout.rank == 0:
+            print(describe_resume(resume), file=sys.stderr, flush=True)
     steps = setup.schedule.total_steps
     start = resume or ResumePoint(None, epoch=0, epoch_step=0, global_step=0, bad_steps=0)
     meter = throughput_meter(run) if setup.device_type == "cuda" else None
@@ -182,8 +191,11 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
             if global_step >= steps:
                 break
             faults.kill_point(setup.layout.rank, global_step + 1)
+            armed = faults.arm_kill_in_model(run.policy.module, setup.layout.rank, global_step + 1)
             timer.begin()
             metrics = trainer.train_step(plan, inject_nan=faults.nan_step(global_step + 1))
+            for handle in armed:
+                handle.remove()
             seconds = timer.seconds()
             global_step += 1
             position = (plan.epoch, plan.step + 1)

@@ -30,6 +30,8 @@ from transformers import set_seed
 
 from ..errors import InputError
 from ..files import atomic_folder
+from . import faults
+from .safe_load import weights_only_loading
 
 UNIVERSAL_FOLDER = "universal"
 
@@ -46,8 +48,9 @@ def check_convertible(tag_dir: Path, zero_stage: int) -> None:
                          "layout is supported for ZeRO-3 checkpoints")
 
 
-def ensure_universal(tag_dir: Path) -> Path:
-    """The universal form of the checkpoint ``tag_dir``: converted now, unless an earlier resume did it."""
+def ensure_universal(tag_dir: Path, global_step: int) -> Path:
+    """The universal form of the checkpoint ``tag_dir`` (of step ``global_step``): converted now (every file read with
+    ``weights_only=True``), unless an earlier resume did it."""
     target = universal_dir(tag_dir)
     if target.is_dir():
         return target
@@ -56,11 +59,13 @@ def ensure_universal(tag_dir: Path) -> Path:
 
     def convert(staging: Path) -> None:
         # One worker each: DeepSpeed's worker pools fork this process, whose OpenMP threads may already run.
-        ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(staging), num_extract_workers=1,
-                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=False))
+        with weights_only_loading():
+            ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(staging), num_extract_workers=1,
+                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                      inject_missing_state=False))
         # it also points a 'latest_universal' file beside its output at it; we load by path
         (tag_dir / "latest_universal").unlink(missing_ok=True)
+        faults.kill_point(0, global_step, "universal")
 
     atomic_folder(target, convert)
     return target
