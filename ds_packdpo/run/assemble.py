@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ from .reference import PrecomputedReference, load_precomputed_reference
 from .schedule import Schedule, run_schedule
 from .sequence_parallel import SequenceParallel, check_attention, check_model_heads, init_sequence_parallel
 from .universal import ensure_universal, with_universal_loading
+from .user_values import check_adam_settings, take_user_values
 
 # What each command builds in phase two: a trained policy (with its reference), or only a frozen reference,
 # or (check) one model in this process with no process group.
@@ -118,12 +120,20 @@ def runs_prefix_sharing(attn: str, sp_size: int) -> bool:
     return sp_size > 1 or attn == SDPA_VARLEN or is_flash(attn)
 
 
-def check_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout) -> None:
-    if cfg.shares_prefixes and not runs_prefix_sharing(attn, layout.sp_size):
-        raise InputError(f"--attn {attn}: prefix sharing (on by default for packed runs) needs --attn auto, "
-                         f"{SDPA_VARLEN}, flash_attention_2 or flash_attention_3 ({attn} derives its masks from "
-                         f"position ids, which cannot say [prompt | chosen | rejected]); add --no-prefix-sharing to "
-                         f"run {attn}")
+def settle_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout) -> TrainConfig:
+    """Prefix sharing is on by default for packed runs; a backend that cannot run it, chosen with --attn, turns the
+    default off with a one-line warning.  Written --prefix-sharing with it, or auto resolving to it, is refused."""
+    if not cfg.shares_prefixes or runs_prefix_sharing(attn, layout.sp_size):
+        return cfg
+    why = f"{attn} derives its masks from position ids, which cannot say [prompt | chosen | rejected]"
+    if cfg.is_given("attn") and not cfg.is_given("prefix_sharing"):
+        if layout.rank == 0:
+            print(f"warning: --attn {attn}: prefix sharing off ({why}); every prompt runs twice", file=sys.stderr,
+                  flush=True)
+        return dataclasses.replace(cfg, prefix_sharing=False)
+    raise InputError(f"--attn {attn}: prefix sharing (on by default for packed runs) needs --attn auto, "
+                     f"{SDPA_VARLEN}, flash_attention_2 or flash_attention_3 ({why}); add --no-prefix-sharing to "
+                     f"run {attn}")
 
 
 def model_source(cfg: TrainConfig) -> str:
@@ -181,19 +191,21 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
     device_type = get_accelerator().device_name()
-    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device_type))
-    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS, dtype=cfg.dtype)
-    loss_cfg = cfg.loss_config()
     raw_ds, ds_source = load_ds_config(cfg.ds_config)
     layout = ParallelLayout.from_launch(cfg.sequence_parallel_size, zero_stage(raw_ds),
                                         world_size=1 if command == "check" else world_size)
+    cfg, raw_ds = take_user_values(cfg, raw_ds, ds_source, layout.dp_size)
+    check_adam_settings(cfg)
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device_type))
+    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS, dtype=cfg.dtype)
+    loss_cfg = cfg.loss_config()
     if command == "train":
         check_output_dir(cfg)
         shard_size_bytes(cfg.max_shard_size)  # --export-on-end's, refused before any work
     if command == "eval":
         check_evaluation_models(cfg)
     if command != "check":  # check reports packing alone for a backend that cannot share prefixes
-        check_prefix_sharing(cfg, attn, layout)
+        cfg = settle_prefix_sharing(cfg, attn, layout)
     tokenizer, rows = tokenizer_and_rows(cfg)
     hf_config = check_models(cfg, layout, attn, len(tokenizer))
     check_lora_settings(cfg, hf_config)
