@@ -117,8 +117,8 @@ def test_bad_dataset_files(case, tmp_path, train_front):
 
 
 # ----------------------------------------------------------------------------- impossible configurations
-def _config_file(tmp_path: Path, settings: dict | str) -> str:
-    path = tmp_path / "settings.json"
+def _config_file(tmp_path: Path, settings: dict | str, suffix: str = "json") -> str:
+    path = tmp_path / f"settings.{suffix}"
     path.write_text(settings if isinstance(settings, str) else json.dumps(settings))
     return str(path)
 
@@ -140,11 +140,22 @@ BAD_CONFIGS = {
     "wrong type": (lambda d: ["--config", _config_file(d, {"max_length": "long"})],
                    "key 'max_length' must be int, got str 'long'"),
     "config not JSON": (lambda d: ["--config", _config_file(d, "{max_length: 64")], "not valid JSON"),
+    "unknown key in YAML": (lambda d: ["--config", _config_file(d, "max_lenght: 64\n", "yaml")],
+                            "settings.yaml: unknown key 'max_lenght'"),
+    "wrong type in YAML": (lambda d: ["--config", _config_file(d, "max_length: [64]\n", "yaml")],
+                           "settings.yaml: key 'max_length' must be int, got list [64]"),
+    "config not YAML": (lambda d: ["--config", _config_file(d, "max_length: [64\n", "yml")],
+                        "settings.yml: not valid YAML (while parsing a flow sequence"),
+    "YAML list, not settings": (lambda d: ["--config", _config_file(d, "- 1\n", "yaml")],
+                                "settings.yaml: expected a YAML mapping of settings, got list"),
+    "DeepSpeed YAML config": (lambda d: ["--ds-config", _config_file(d, "zero_optimization: {stage: 7}\n", "yaml")],
+                              "settings.yaml: 'zero_optimization.stage': Input should be 0, 1, 2, 3"),
     "exclusive batch settings": (lambda d: ["--global-batch-pairs", "8", "--tokens-per-step", "4096"],
                                  "--global-batch-pairs and --tokens-per-step are exclusive"),
     "DeepSpeed batch contradicts": (
-        lambda d: ["--ds-config", _ds_config(d, json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))],
-        "'train_batch_size': 16 contradicts the run (2 data-parallel ranks"),
+        lambda d: ["--global-batch-pairs", "8",
+                   "--ds-config", _ds_config(d, json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))],
+        "ds.json: 'train_batch_size': 16 and --global-batch-pairs 8 differ; give it in one place"),
     "DeepSpeed config not JSON": (lambda d: ["--ds-config", _ds_config(d, "{ not json")], "not valid JSON"),
     "missing model folder": (lambda d: ["--model", str(d / "no_model")],
                              "no_model: not a local HF model folder (no such folder, and not a hub model id)"),
@@ -174,7 +185,7 @@ BAD_CONFIGS = {
         "'optimizer.type': 'AdamQ' is neither a DeepSpeed nor a torch.optim optimizer"),
     "DeepSpeed unknown scheduler": (
         lambda d: ["--ds-config", _ds_config(d, json.dumps({"scheduler": {"type": "WarmupLRR", "params": {}}}))],
-        "'scheduler.type': 'WarmupLRR' contradicts --lr-scheduler linear (WarmupDecayLR, filled from --lr"),
+        "'scheduler.type': 'WarmupLRR' is not one ds_packdpo runs (WarmupLR (--lr-scheduler constant)"),
     "model folder without config.json": (
         lambda d: ["--model", str(_folder(d / "not_a_model"))],
         "not_a_model: not a local HF model folder (no config.json in the folder)"),
@@ -191,9 +202,9 @@ BAD_CONFIGS = {
     "floor of a constant LR": (lambda d: ["--lr-scheduler", "constant", "--min-lr-ratio", "0.1"],
                                "--min-lr-ratio 0.1 has no effect with --lr-scheduler constant"),
     "DeepSpeed scheduler contradicts the flags": (
-        lambda d: ["--ds-config", _ds_config(d, json.dumps({"scheduler": {"type": "WarmupDecayLR",
-                                                                          "params": {"warmup_num_steps": 100}}}))],
-        "'scheduler.params.warmup_num_steps': 100 contradicts --lr-scheduler linear (WarmupDecayLR"),
+        lambda d: ["--warmup-steps", "2", "--ds-config", _ds_config(d, json.dumps({"scheduler": {
+            "type": "WarmupDecayLR", "params": {"warmup_num_steps": 100}}}))],
+        "'scheduler.params.warmup_num_steps': 100 and --warmup-steps 2 differ; give it in one place"),
     "eval steps without a held-out set": (lambda d: ["--eval-steps", "5"],
                                           "--eval-steps needs a held-out set: --eval-dataset or --eval-fraction"),
     "eval fraction of 1": (lambda d: ["--eval-fraction", "1"], "--eval-fraction must be in (0, 1), got 1.0"),

@@ -92,7 +92,7 @@ BAD_CONFIGURATIONS = [
     (["--max-length", "256", "--max-tokens-per-row", "64"], "--max-tokens-per-row"),
     (["--attn", "nonsense"], "--attn"),
     (["--attn", "flash_attention_2"], "flash_attention_2"),
-    (["--ds-config", "BATCH"], "gradient_accumulation_steps"),
+    (["--ds-config", "BATCH", "--global-batch-pairs", "4"], "'gradient_accumulation_steps': 8 (x micro-batch 4 x 1 data-parallel ranks = 32 pairs) and --global-batch-pairs 4"),
     (["--ds-config", "NOTJSON"], "not valid JSON"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model"),
     (["--global-batch-pairs", "4", "--tokens-per-step", "100"], "exclusive"),

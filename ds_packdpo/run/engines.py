@@ -77,8 +77,8 @@ def _replace_auto(node, values: dict, path: str, source: str):
 
 def _scheduler_section(given, schedule: Schedule, source: str):
     """The run's "scheduler" section (``schedule``'s); the config's own was turned into settings in phase one
-    (run/user_values.py), which leaves it absent or "auto"."""
-    if given not in (None, "auto"):
+    (run/user_values.py), which leaves it absent or "auto" (the built-in configs': type and params "auto")."""
+    if given not in (None, "auto", {"type": "auto", "params": "auto"}):
         raise ValueError(f"--ds-config {source}: the scheduler section {given!r} was not taken into the settings")
     return schedule.deepspeed_section()
 

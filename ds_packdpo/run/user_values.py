@@ -39,10 +39,11 @@ class _Taken:
         self.values: dict[str, object] = {}  # setting -> value
         self.keys: dict[str, str] = {}  # setting -> the DeepSpeed config key that wrote it
 
-    def take(self, setting: str, value, key: str, shown=None) -> None:
-        """``key`` of the DeepSpeed config writes ``setting`` = ``value`` (``shown``: the value as the file has it)."""
-        shown = value if shown is None else shown
-        where = f"--ds-config {self.source}: '{key}': {shown!r}"
+    def take(self, setting: str, value, key: str, shown: str | None = None) -> None:
+        """``key`` of the DeepSpeed config writes ``setting`` = ``value`` (``shown``: what the file says, when not
+        ``value`` itself)."""
+        shown = repr(value) if shown is None else shown
+        where = f"--ds-config {self.source}: '{key}': {shown}"
         if setting in self.values and not _same(self.values[setting], value):
             raise InputError(f"{where} and '{self.keys[setting]}' differ ({flag(setting)}); give it once")
         current = getattr(self.cfg, setting)
@@ -100,7 +101,8 @@ def _take_optimizer(raw: dict, taken: _Taken) -> None:
         if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
             raise InputError(f"--ds-config {taken.source}: 'optimizer.params.betas' must be two numbers, got {betas!r}")
         for setting, beta in zip(("adam_beta1", "adam_beta2"), betas):
-            taken.take(setting, _number(beta, "optimizer.params.betas", taken.source), "optimizer.params.betas", betas)
+            taken.take(setting, _number(beta, "optimizer.params.betas", taken.source), "optimizer.params.betas",
+                       repr(betas))
         params["betas"] = "auto"
 
 
@@ -118,7 +120,7 @@ def _take_scheduler(raw: dict, taken: _Taken) -> None:
         if kind not in SCHEDULE_KINDS:
             raise InputError(f"--ds-config {source}: 'scheduler.type': {kind!r} is not one ds_packdpo runs "
                              f"({', '.join(f'{n} (--lr-scheduler {k})' for n, k in SCHEDULE_KINDS.items())})")
-        taken.take("lr_scheduler", SCHEDULE_KINDS[kind], "scheduler.type", kind)
+        taken.take("lr_scheduler", SCHEDULE_KINDS[kind], "scheduler.type", repr(kind))
     params = scheduler.get("params", "auto")
     if params == "auto":
         params = {}
@@ -151,7 +153,7 @@ def _take_scheduler(raw: dict, taken: _Taken) -> None:
     if "warmup_min_lr" in params:
         floor = _number(params.pop("warmup_min_lr"), "scheduler.params.warmup_min_lr", source)
         peak = taken.values.get("lr", taken.cfg.lr)
-        taken.take("min_lr_ratio", floor / peak, "scheduler.params.warmup_min_lr", floor)
+        taken.take("min_lr_ratio", floor / peak, "scheduler.params.warmup_min_lr", f"{floor!r} (ratio {floor / peak:g})")
     if params:
         raise InputError(f"--ds-config {source}: 'scheduler.params.{next(iter(params))}' has no counterpart among the "
                          f"flags (--lr, --warmup-steps, --min-lr-ratio); remove it")
@@ -169,7 +171,7 @@ def _take_precision(raw: dict, taken: _Taken) -> None:
                              f"{enabled!r}")
         if taken.cfg.dtype == "auto":  # a written --dtype auto leaves the choice open
             taken.cfg = dataclasses.replace(taken.cfg, given=taken.cfg.given - {"dtype"})
-        taken.take("dtype", "bf16" if enabled else "fp32", "bf16.enabled", enabled)
+        taken.take("dtype", "bf16" if enabled else "fp32", "bf16.enabled", repr(enabled))
         bf16["enabled"] = "auto"
 
 
@@ -191,11 +193,12 @@ def _take_batch(raw: dict, taken: _Taken, dp_size: int) -> None:
         taken.take("micro_batch_pairs", written["train_micro_batch_size_per_gpu"], "train_micro_batch_size_per_gpu")
     accumulation = written.get("gradient_accumulation_steps")
     total = written.get("train_batch_size")
-    key = "train_batch_size"
+    key, shown = "train_batch_size", None
     if accumulation is not None:
         micro = taken.values.get("micro_batch_pairs", taken.cfg.micro_batch_pairs)
         if total is None:
             total, key = micro * accumulation * dp_size, "gradient_accumulation_steps"
+            shown = f"{accumulation} (x micro-batch {micro} x {dp_size} data-parallel ranks = {total} pairs)"
         elif "micro_batch_pairs" in taken.values or taken.cfg.is_given("micro_batch_pairs"):
             if total != micro * accumulation * dp_size:
                 raise InputError(f"--ds-config {source}: 'train_batch_size': {total} is not micro-batch {micro} x "
@@ -209,7 +212,7 @@ def _take_batch(raw: dict, taken: _Taken, dp_size: int) -> None:
         if taken.cfg.is_given("tokens_per_step"):
             raise InputError(f"--ds-config {source}: '{key}' sets {total} pairs per step and --tokens-per-step "
                              f"{taken.cfg.tokens_per_step} closes steps by tokens; give one")
-        taken.take("global_batch_pairs", total, key)
+        taken.take("global_batch_pairs", total, key, shown)
 
 
 def take_user_values(cfg: TrainConfig, raw: dict, source: str, dp_size: int) -> tuple[TrainConfig, dict]:
