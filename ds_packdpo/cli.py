@@ -155,17 +155,11 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
     """Under a launcher: one rank (``rank_main``).  Outside one: validate, then start the launcher on ``module``."""
     if any(os.environ.get(k) for k in LAUNCHED_ENV):
         return rank_main(argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--num-procs", type=int, default=None)
-    pre.add_argument("--master-port", type=int, default=None)
-    launch, rest = pre.parse_known_args(argv)
-    procs = _default_procs() if launch.num_procs is None else launch.num_procs
-    _cpu_unless_cuda()
+    launch, rest, procs = _launch_options(argv)
 
     def check() -> int:
         """Phase one runs here too, so bad input fails before any rank starts."""
-        if procs < 1:
-            raise InputError(f"--num-procs must be >= 1, got {procs}")
+        _check_procs(procs)
         validate(rest, procs)
         remove_stale_locks()  # a stale one would hang every rank in init_distributed, with no output
         return 0
@@ -174,6 +168,23 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
     if code:
         return code
     return _launch(rest, procs, launch.master_port, module)
+
+
+def _launch_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
+    """(--num-procs/--master-port, the rest of ``argv``, the ranks to start) of a front command; on a machine
+    without CUDA the ranks will run on CPU."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--num-procs", type=int, default=None)
+    pre.add_argument("--master-port", type=int, default=None)
+    launch, rest = pre.parse_known_args(argv)
+    procs = _default_procs() if launch.num_procs is None else launch.num_procs
+    _cpu_unless_cuda()
+    return launch, rest, procs
+
+
+def _check_procs(procs: int) -> None:
+    if procs < 1:
+        raise InputError(f"--num-procs must be >= 1, got {procs}")
 
 
 def _default_procs() -> int:
@@ -204,7 +215,28 @@ def _phase_one(command: str) -> Callable[[list[str], int], None]:
 def cmd_train(argv: list[str]) -> int:
     from .train import main as rank_main
 
+    if "--dry-run" in argv and not any(os.environ.get(k) for k in LAUNCHED_ENV):
+        return dry_run([arg for arg in argv if arg != "--dry-run"])
     return _distributed_command(argv, "ds_packdpo.train", rank_main, _phase_one("train"))
+
+
+def dry_run(argv: list[str]) -> int:
+    """``train --dry-run``: phase one of the run the flags describe (settings, data, plan, resume point) in this
+    process, then its plan line and a per-GPU memory estimate.  No process group, no rank, no output folder."""
+    _, rest, procs = _launch_options(argv)
+
+    def job() -> int:
+        from .run.assemble import prepare
+        from .run.memory_estimate import describe_estimate, estimate_memory
+        from .run.trainer import describe_plan, plan_summary
+
+        _check_procs(procs)
+        setup = prepare(parse_train_args(rest), "train", world_size=procs)
+        print(describe_plan(plan_summary(setup)))
+        print(describe_estimate(estimate_memory(setup)), flush=True)
+        return 0
+
+    return run_guarded(job)
 
 
 def cmd_precompute_ref(argv: list[str]) -> int:

@@ -472,7 +472,11 @@ def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
 
 
 def train_parser(prog: str = "ds-packdpo train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.", allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.", allow_abbrev=False,
+        epilog="ds-packdpo train (outside a launcher) also takes --num-procs N (ranks to start), --master-port P and "
+               "--dry-run (phase one only: the plan line and a per-GPU memory estimate; nothing starts, nothing is "
+               "written).")
     add_arguments(parser)
     return parser
 
