@@ -9,8 +9,9 @@ reference adds its weights' share.  No library estimates a packed row's activati
 they are counted here per token and decoder layer from the model config: what autograd
 keeps of a pre-norm decoder layer (norm inputs and outputs, q/k/v before and after the
 rotary embedding, the attention output, the MLP's gate, up, activation and product),
-at the row budget; with activation checkpointing each layer keeps only its input, and
-one layer's activations exist again while it is recomputed.  The log-prob chunk is the
+at the row budget, plus the gradients of one layer's activations while backward runs it;
+with activation checkpointing each layer keeps only its input, and one layer's
+activations exist again while it is recomputed.  The log-prob chunk is the
 fp32 logits of --logps-chunk-tokens tokens (the whole row with --logps-impl plain), kept
 with their log-softmax and gradient.
 """
@@ -74,8 +75,9 @@ def estimate_memory(setup: RunSetup) -> dict:
     tokens = cfg.row_budget
     layers = hf_config.num_hidden_layers
     per_layer = tokens * layer_activation_elements(hf_config) * element
-    activations = {"full": layers * per_layer + 2 * tokens * hf_config.hidden_size * element,
-                   "checkpointed": layers * tokens * hf_config.hidden_size * element + per_layer}
+    # backward holds the gradients of one layer's activations as it runs; a recomputed layer's own come on top
+    activations = {"full": (layers + 1) * per_layer + 2 * tokens * hf_config.hidden_size * element,
+                   "checkpointed": layers * tokens * hf_config.hidden_size * element + 2 * per_layer}
     chunk_tokens = tokens if cfg.logps_impl == "plain" else min(cfg.logps_chunk_tokens, tokens)
     logps_chunk = 3 * chunk_tokens * hf_config.vocab_size * 4
     kept = "checkpointed" if cfg.gradient_checkpointing else "full"
