@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .config import add_arguments, config_from_args, parse_train_args
+from .config import FlagParser, add_arguments, config_from_args, parse_train_args
 from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
 from .data.run_plan import checked_plan_config, run_plan
@@ -65,7 +65,7 @@ def launcher_status(code: int) -> int:
 
 
 def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = FlagParser(prog=prog, description=description)
     add_arguments(parser)
     return parser
 
@@ -256,7 +256,7 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def export_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-packdpo export",
+    parser = FlagParser(prog="ds-packdpo export",
                                      description="A training checkpoint as a Hugging Face folder (safetensors).")
     parser.add_argument("--checkpoint", required=True, help="A checkpoint folder, or a --save-dir (its 'latest').")
     parser.add_argument("--out", required=True, help="The Hugging Face folder to write.")
@@ -297,7 +297,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def report_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-packdpo report",
+    parser = FlagParser(prog="ds-packdpo report",
                                      description="Merge bench folders into one comparison report.")
     parser.add_argument("folders", nargs="+", help="Bench folders (each holding report.json).")
     parser.add_argument("--out", required=True, help="Folder of the comparison (merged.json, report.md, PNG).")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import json
 import math
@@ -378,6 +379,24 @@ def _field_type(f: dataclasses.Field) -> type:
     return args[0] if args else tp
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse taking whole flag names only (an abbreviation such as --max-len once ran as --max-length) whose errors
+    are one line, naming the closest flag of a mistyped one, instead of the whole usage."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        flags = [option for action in self._actions for option in action.option_strings]
+        hints = []
+        if message.startswith("unrecognized arguments:"):
+            for arg in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(arg.split("=")[0], flags, n=1) if arg.startswith("--") else []
+                hints += [f"{arg.split('=')[0]}: did you mean {close[0]}?"] if close else []
+        self.exit(2, f"error: {self.prog}: {message}{'; ' if hints else ''}{'; '.join(hints)}\n")
+
+
 def add_arguments(parser: argparse.ArgumentParser, config_cls=TrainConfig) -> None:
     """Adds one flag per field; defaults are None so a config file can fill what the command line left out."""
     for f in flag_fields(config_cls):
@@ -472,8 +491,8 @@ def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
 
 
 def train_parser(prog: str = "ds-packdpo train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.", allow_abbrev=False,
+    parser = FlagParser(
+        prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.",
         epilog="ds-packdpo train (outside a launcher) also takes --num-procs N (ranks to start), --master-port P and "
                "--dry-run (phase one only: the plan line and a per-GPU memory estimate; nothing starts, nothing is "
                "written).")

@@ -30,7 +30,12 @@ def is_hub_id(name: str) -> bool:
 def check_model_source(name: str, where: str = "--model") -> None:
     """A local Hugging Face model folder (holding config.json) or a hub id; else one InputError naming it."""
     if is_hub_id(name):
-        return
+        if "/" in name or isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+        # A bare name not in the hub cache is far likelier a mistyped relative folder than one of the few legacy
+        # hub models without an organisation (which the hub answers after retries, tens of seconds later).
+        raise InputError(f"{where} {name}: no such folder (relative to {Path.cwd()}), and not a hub id of the form "
+                         f"org/name")
     folder = Path(name)
     if not (folder / "config.json").is_file():
         reason = "no config.json in the folder" if folder.is_dir() else "no such folder, and not a hub model id"

@@ -11,6 +11,7 @@ the front command and through the rank entry ``python -m ds_packdpo.train``.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -360,3 +361,26 @@ def test_train_phase_one_warns_when_ranks_idle(tmp_path, out_dir, tokenizer_dir)
                                          "50% of the ranks' compute"):
         prepare(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--global-batch-pairs", "1"]),
                 world_size=2)
+
+
+@pytest.mark.parametrize("command", ["train", "prepare", "bench"])
+def test_a_typo_or_an_abbreviation_is_one_line_naming_the_flag(command, no_launch, capsys):
+    """A mistyped flag answers in one line with the closest flag, not the whole usage; an abbreviation of a long flag
+    (argparse's default accepts --max-len as --max-length) is refused the same way."""
+    for typed in ("--max-lenght", "--max-len"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([command, typed, "64"])
+        assert_one_line_error(exit_.value.code, capsys.readouterr().err,
+                              f"unrecognized arguments: {typed} 64; {typed}: did you mean --max-length?")
+
+
+def test_a_missing_relative_model_folder_is_said_at_once(tmp_path, out_dir, tokenizer_dir, no_launch, capsys,
+                                                         monkeypatch):
+    """``--model mymodle`` (a bare name that is no folder here and not in the hub cache) is not tried on the hub."""
+    monkeypatch.chdir(tmp_path)
+    began = time.perf_counter()
+    code = cli.main(["train", *base_flags(tmp_path, out_dir, tokenizer_dir), "--model", "mymodle"])
+    assert_one_line_error(code, capsys.readouterr().err,
+                          f"--model mymodle: no such folder (relative to {tmp_path}), and not a hub id of the form "
+                          f"org/name")
+    assert time.perf_counter() - began < 5
