@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .config import FlagParser, add_arguments, config_from_args, parse_train_args
+from .config import FlagParser, TrainConfig, add_arguments, config_from_args, parse_train_args
+from .console import launcher_options, rank_environment
 from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
 from .data.run_plan import checked_plan_config, run_plan
@@ -34,12 +35,14 @@ from .run.layout import ParallelLayout, free_port
 LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
-def _launch(argv: list[str], procs: int, master_port: int | None, module: str) -> int:
+def _launch(argv: list[str], procs: int, master_port: int | None, module: str, verbose: bool = False) -> int:
     """Re-runs this command (``module``) under the deepspeed launcher (arguments as a list, never through a shell)."""
-    env = dict(os.environ)  # with DS_ACCELERATOR=cpu on a machine without CUDA (_cpu_unless_cuda)
+    # with DS_ACCELERATOR=cpu on a machine without CUDA (_cpu_unless_cuda)
+    device_type = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda"
+    env = rank_environment(dict(os.environ), procs, device_type)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port or free_port()),
-           "--module", module, *argv]
+    cmd = [launcher, *launcher_options(verbose), "--num_gpus", str(procs), "--master_port",
+           str(master_port or free_port()), "--module", module, *argv]
     return launcher_status(subprocess.call(cmd, env=env))
 
 
@@ -151,23 +154,25 @@ def cmd_check(argv: list[str]) -> int:
 
 
 def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list[str]], int],
-                         validate: Callable[[list[str], int], object]) -> int:
-    """Under a launcher: one rank (``rank_main``).  Outside one: validate, then start the launcher on ``module``."""
+                         validate: Callable[[list[str], int], TrainConfig]) -> int:
+    """Under a launcher: one rank (``rank_main``).  Outside one: validate (which returns the settings), then start
+    the launcher on ``module``."""
     if any(os.environ.get(k) for k in LAUNCHED_ENV):
         return rank_main(argv)
     launch, rest, procs = _launch_options(argv)
+    validated = []
 
     def check() -> int:
         """Phase one runs here too, so bad input fails before any rank starts."""
         _check_procs(procs)
-        validate(rest, procs)
+        validated.append(validate(rest, procs))
         remove_stale_locks()  # a stale one would hang every rank in init_distributed, with no output
         return 0
 
     code = run_guarded(check)
     if code:
         return code
-    return _launch(rest, procs, launch.master_port, module)
+    return _launch(rest, procs, launch.master_port, module, verbose=validated[0].verbose)
 
 
 def _launch_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
@@ -200,14 +205,14 @@ def _cpu_unless_cuda() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the launched ranks get it
 
 
-def _phase_one(command: str) -> Callable[[list[str], int], None]:
+def _phase_one(command: str) -> Callable[[list[str], int], TrainConfig]:
     """The rank's phase one of ``command`` (settings, DeepSpeed config, output folder, data, plan, resume point,
     reference file), run in the front process; its tokenization fills the cache the ranks then read."""
 
-    def validate(argv: list[str], procs: int) -> None:
+    def validate(argv: list[str], procs: int) -> TrainConfig:
         from .run.assemble import prepare
 
-        prepare(parse_train_args(argv, prog=f"ds-packdpo {command}"), command, world_size=procs)
+        return prepare(parse_train_args(argv, prog=f"ds-packdpo {command}"), command, world_size=procs).cfg
 
     return validate
 
@@ -243,8 +248,10 @@ def cmd_precompute_ref(argv: list[str]) -> int:
     from .precompute_ref import main as rank_main
     from .precompute_ref import parse_args, precompute_setup
 
-    def validate(rest: list[str], procs: int):
-        precompute_setup(*parse_args(rest), world_size=procs)
+    def validate(rest: list[str], procs: int) -> TrainConfig:
+        cfg, out = parse_args(rest)
+        precompute_setup(cfg, out, world_size=procs)
+        return cfg
 
     return _distributed_command(argv, "ds_packdpo.precompute_ref", rank_main, validate)
 
@@ -290,8 +297,10 @@ def cmd_bench(argv: list[str]) -> int:
     from .bench import check_configurations, parse_bench_args
     from .bench import main as rank_main
 
-    def validate(rest: list[str], procs: int):
-        check_configurations(*parse_bench_args(rest), world_size=procs)
+    def validate(rest: list[str], procs: int) -> TrainConfig:
+        cfg, settings = parse_bench_args(rest)
+        check_configurations(cfg, settings, world_size=procs)
+        return cfg
 
     return _distributed_command(argv, "ds_packdpo.bench", rank_main, validate)
 

@@ -138,7 +138,11 @@ class TrainConfig:
     output_dir: str = _opt("Run folder (metrics, logs).", "runs/train")
     metrics_out: str | None = _opt("Per-step JSON lines (default OUTPUT_DIR/metrics.jsonl).")
     overwrite: bool = _opt("Allow writing into a non-empty output folder.", False)
-    progress: bool = _opt("Show the progress bar on rank 0.", True)
+    progress: bool = _opt("Show the progress bar on rank 0; --no-progress prints one line every --logging-steps "
+                          "steps instead.", True)
+    logging_steps: int = _opt("With --no-progress, print a line of the step's figures every N optimizer steps.", 10)
+    verbose: bool = _opt("Show libraries' warnings and DeepSpeed's INFO lines (the launcher's commands) and warnings.",
+                         False)
     config: str | None = _opt("A JSON or YAML file of settings (keys are flag names; a run's own run_config.json "
                               "too); flags given on the command line win.")
     # --- checkpoints, resume, export, bad steps ---
@@ -247,7 +251,7 @@ class TrainConfig:
             if getattr(self, key) < 0:
                 raise InputError(f"--{flag(key)} must be >= 0, got {getattr(self, key)}")
         positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "logps_chunk_tokens",
-                    "sequence_parallel_size"]
+                    "sequence_parallel_size", "logging_steps"]
         for key in positive:
             if getattr(self, key) < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {getattr(self, key)}")

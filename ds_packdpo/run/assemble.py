@@ -24,6 +24,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..config import TrainConfig, resolve_dtype
+from ..console import quiet_libraries
 from ..data.plan import PlanConfig
 from ..data.prepare import PreparedPairs
 from ..data.run_plan import checked_plan_config, total_steps
@@ -190,6 +191,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     """
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
+    quiet_libraries(cfg.verbose)
     device_type = get_accelerator().device_name()
     raw_ds, ds_source = load_ds_config(cfg.ds_config)
     layout = ParallelLayout.from_launch(cfg.sequence_parallel_size, zero_stage(raw_ds),
@@ -317,7 +319,7 @@ class Run:
 def start(setup: RunSetup) -> Run:
     """Phase two: process group, sequence-parallel groups and attention, engines, packing guard."""
     cfg, layout = setup.cfg, setup.layout
-    init_process_group(layout, cfg.collective_timeout_s)
+    init_process_group(layout, cfg.collective_timeout_s, quiet=not cfg.verbose)
     sequence_parallel = mpu = None
     if layout.sp_size > 1:
         sequence_parallel, mpu = init_sequence_parallel(layout, setup.attn, setup.pad_token_id)

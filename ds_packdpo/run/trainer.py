@@ -214,6 +214,7 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
                 checkpointer.save(run.policy, global_step, *position, bad_steps)
         if cfg.export_on_end and checkpointer.saved_step != global_step:  # the checkpoint the export reads
             checkpointer.save(run.policy, global_step, *position, bad_steps)
+        writer.finish(history)
     except RuntimeError as error:
         if isinstance(error, RunAbortedError) or not is_collective_failure(error):
             raise
