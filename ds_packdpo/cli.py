@@ -334,6 +334,11 @@ COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_s
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from . import __version__
+
+        print(f"ds-packdpo {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"ds-packdpo: unknown command {argv[0]!r}", file=sys.stderr)

@@ -26,6 +26,8 @@ from .errors import InputError
 from .hub import check_model_source, is_hub_id
 
 DTYPES = ("auto", "fp32", "bf16")
+# --report-to's names -> the DeepSpeed config's monitor sections
+MONITORS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": "csv_monitor", "comet": "comet"}
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
@@ -145,6 +147,11 @@ class TrainConfig:
                          False)
     config: str | None = _opt("A JSON or YAML file of settings (keys are flag names; a run's own run_config.json "
                               "too); flags given on the command line win.")
+    report_to: str | None = _opt("Report the per-step figures through DeepSpeed's monitors: a comma-separated list of "
+                                 "tensorboard, wandb, csv, comet. Default: the monitor sections of --ds-config.")
+    run_name: str | None = _opt("The run's name in the monitors (tensorboard and csv job name, wandb group, comet "
+                                "experiment name). Default: the output folder's name.")
+    project: str | None = _opt("The wandb or comet project of --report-to.")
     # --- checkpoints, resume, export, bad steps ---
     save_steps: int | None = _opt("Save a checkpoint every N optimizer steps and at the end (DeepSpeed, ZeRO shards).")
     save_dir: str | None = _opt("Checkpoint folder (default OUTPUT_DIR/checkpoints).")
@@ -231,6 +238,16 @@ class TrainConfig:
         return loss
 
     @property
+    def monitors(self) -> list[str]:
+        """--report-to as a list (in the order given, each once)."""
+        names = [name.strip() for name in (self.report_to or "").split(",") if name.strip()]
+        return list(dict.fromkeys(names))
+
+    @property
+    def resolved_run_name(self) -> str:
+        return self.run_name or Path(self.output_dir).resolve().name
+
+    @property
     def resolved_metrics_out(self) -> str:
         return self.metrics_out or os.path.join(self.output_dir, "metrics.jsonl")
 
@@ -290,6 +307,9 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {value}")
         self._validate_scale_settings()
+        unknown = sorted(set(self.monitors) - set(MONITORS))
+        if unknown:
+            raise InputError(f"--report-to: {', '.join(unknown)} is not one of {', '.join(MONITORS)}")
         if self.max_bad_steps < 1:
             raise InputError(f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
         if self.save_total_limit is not None and not self.save_steps:

@@ -70,3 +70,10 @@ def test_verbose_keeps_the_libraries_output():
             assert not seen
         finally:
             deepspeed_logger.setLevel(level)
+
+
+def test_version(capsys):
+    from ds_packdpo import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"ds-packdpo {__version__}\n"

@@ -68,7 +68,7 @@ COMMANDS = {
 # Flags that need another one to be valid at all (they are given in both command lines).
 CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"],
            "--allow-new-layout": ["--resume", "MODEL"], "--revision": ["--model", "org/hub-model"],
-           "--eval-steps": ["--eval-fraction", "0.5"], "--eval-max-pairs": ["--eval-fraction", "0.5"],
+           "--eval-steps": ["--eval-fraction", "0.5"], "--project": ["--report-to", "wandb"], "--eval-max-pairs": ["--eval-fraction", "0.5"],
            **{f"--lora-{name}": ["--lora-r", "1"] for name in ("alpha", "dropout", "target-modules")}}
 
 
@@ -85,7 +85,8 @@ def values(tmp_path, monkeypatch) -> dict[str, str]:
     ref.write_text("")
     return {"MODEL": str(model), "--model": str(model), "--ref-model": str(model), "--tokenizer": str(model),
             "--config": str(config), "--ref-logps": str(ref), "--resume": str(model),
-            "--configurations": "padded", "--adam-beta1": "0.5", "--adam-beta2": "0.5", "--optimizer": "SGD", "--out": str(tmp_path / "new_out.jsonl"), "--max-shard-size": "200MB"}
+            "--configurations": "padded", "--adam-beta1": "0.5", "--adam-beta2": "0.5", "--optimizer": "SGD",
+            "--report-to": "csv", "--out": str(tmp_path / "new_out.jsonl"), "--max-shard-size": "200MB"}
 
 
 def _options(parser: argparse.ArgumentParser):

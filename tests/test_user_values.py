@@ -157,14 +157,15 @@ def test_adam_flags_with_another_optimizer_are_refused(tmp_path):
 def test_reported_values_are_the_ones_that_ran(tmp_path):
     """One one-rank run whose optimizer, lr, betas, eps, weight decay, clipping and warm-up come from the user's
     DeepSpeed config and the flags, half each: metrics.jsonl (read from the engine) agrees with run_config.json,
-    plan_summary.json and the plan line."""
+    plan_summary.json and the plan line; --report-to csv writes DeepSpeed's csv monitor."""
     ds = {"zero_optimization": {"stage": 3}, "gradient_clipping": 0.25,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "betas": [0.8, 0.9]}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "run"
     proc = run(rank_module("ds_packdpo.train", *SMALL_RUN, "--lr", "1e-4", "--adam-epsilon", "1e-6", "--output-dir", str(out),
-                                 "--cache-dir", str(tmp_path / "cache"), "--ds-config", str(tmp_path / "ds.json")))
+                                 "--cache-dir", str(tmp_path / "cache"), "--ds-config", str(tmp_path / "ds.json"),
+                                 "--report-to", "csv", "--run-name", "values"))
     records = read_metrics(out / "metrics.jsonl")
     settings = json.loads((out / "run_config.json").read_text())
     schedule = json.loads((out / "plan_summary.json").read_text())["schedule"]
@@ -178,6 +179,29 @@ def test_reported_values_are_the_ones_that_ran(tmp_path):
     assert schedule == {"kind": "constant", "peak": 1e-4, "warmup_steps": 4, "total_steps": 3, "min_lr_ratio": 0.0}
     assert [r["learning_rate"] for r in records] == pytest.approx([2.5e-5, 5e-5, 7.5e-5], rel=1e-12)
     assert "schedule: constant lr 0.0001 over 3 steps, warm-up 4 steps" in proc.stdout
+    # --report-to csv: DeepSpeed's csv monitor, named after the run, holds the same per-step figures
+    logged = (out / "values" / "Train_learning_rate.csv").read_text().splitlines()[1:]
+    assert [float(line.split(",")[1]) for line in logged] == pytest.approx([r["learning_rate"] for r in records])
     # the run's own settings are accepted back by --config: the same run
     again = parse_train_args(["--config", str(out / "run_config.json")])
     assert {k: getattr(again, k) for k in settings} == settings
+
+
+def test_report_to_is_deepspeeds_monitors_by_the_same_rule(tmp_path):
+    """--report-to fills DeepSpeed's monitor sections (named after the run, under the output folder, in --project);
+    a config's own monitor sections still run, and are --report-to's value; both written differently: one error."""
+    out = str(tmp_path / "my-run")
+    cfg, filled = resolve(["--report-to", "csv,wandb,tensorboard", "--project", "dpo", "--output-dir", out], {})
+    assert filled["csv_monitor"] == {"enabled": True, "output_path": out, "job_name": "my-run"}
+    assert filled["tensorboard"] == {"enabled": True, "output_path": out, "job_name": "my-run"}
+    assert filled["wandb"] == {"enabled": True, "group": "my-run", "project": "dpo"}
+    cfg, filled = resolve(["--run-name", "r1", "--output-dir", out], {"comet": {"enabled": True, "online": False}})
+    assert cfg.report_to == "comet" and cfg.is_given("report_to")
+    assert filled["comet"] == {"enabled": True, "online": False, "experiment_name": "r1"}
+    cfg, _ = resolve(["--report-to", "comet"], {"comet": {"enabled": True}})  # alike
+    with pytest.raises(InputError, match="'csv_monitor.enabled': True and --report-to wandb differ"):
+        resolve(["--report-to", "wandb"], {"csv_monitor": {"enabled": True}})
+    with pytest.raises(InputError, match="--report-to: mlflow is not one of tensorboard, wandb, csv, comet"):
+        resolve(["--report-to", "csv,mlflow"], {})
+    with pytest.raises(InputError, match="--project dpo names a wandb or comet project"):
+        resolve(["--report-to", "csv", "--project", "dpo"], {})

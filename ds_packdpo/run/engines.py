@@ -27,7 +27,7 @@ from ..model.build import TORCH_DTYPES, build_model, load_model_config, load_pre
 from ..model.lora import LoraSettings, add_adapters
 from ..model.param_groups import weight_decay_groups
 from .schedule import Schedule, start_schedule
-from .user_values import optimizer_section
+from .user_values import monitor_sections, optimizer_section
 
 # DeepSpeed's monitor sections: the trainer reports through the policy engine's monitor only.
 _MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
@@ -134,6 +134,7 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
                        ("gradient_accumulation_steps", 1), ("gradient_clipping", cfg.max_grad_norm)):
         ds.setdefault(key, value)  # what the config leaves out runs as the settings say
     ds.setdefault("bf16", {"enabled": bf16})
+    monitor_sections(cfg, ds)
     if cfg.sequence_parallel_size > 1:
         if zero_stage(ds) == 3 and ds["zero_optimization"].get("reduce_scatter") is False:
             # Without reduce-scatter ZeRO-3 averages some gradient buckets over W/S ranks and others over W.

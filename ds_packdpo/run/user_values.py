@@ -1,7 +1,7 @@
 """One rule for the values a DeepSpeed config and the flags can both give.
 
 The optimizer (type, lr, betas, eps, weight decay), the gradient clipping, the LR
-scheduler and its parameters, the precision and the batch keys can be written in
+scheduler and its parameters, the precision, the batch keys and the monitors can be written in
 ``--ds-config`` or as flags (on the command line or in ``--config``).  The rule, as in
 the HF Trainer's DeepSpeed integration, where users learnt it:
 
@@ -22,7 +22,7 @@ import copy
 import dataclasses
 import math
 
-from ..config import TrainConfig, flag
+from ..config import MONITORS, TrainConfig, flag
 from ..errors import InputError
 from .schedule import DEEPSPEED_SCHEDULERS
 
@@ -215,6 +215,24 @@ def _take_batch(raw: dict, taken: _Taken, dp_size: int) -> None:
         taken.take("global_batch_pairs", total, key, shown)
 
 
+def _take_monitors(raw: dict, taken: _Taken) -> None:
+    """The monitor sections a config enables or disables are --report-to's list: the same set when both say it."""
+    written = {name: raw[key]["enabled"] for name, key in MONITORS.items()
+               if isinstance(raw.get(key), dict) and isinstance(raw[key].get("enabled"), bool)}
+    if not written:
+        return
+    enabled = [name for name, on in written.items() if on]
+    if taken.cfg.is_given("report_to"):
+        asked = set(taken.cfg.monitors)
+        clash = sorted(name for name, on in written.items() if on != (name in asked))
+        if clash:
+            key = MONITORS[clash[0]]
+            raise InputError(f"--ds-config {taken.source}: '{key}.enabled': {written[clash[0]]!r} and --report-to "
+                             f"{taken.cfg.report_to} differ; give it in one place")
+        return
+    taken.take("report_to", ",".join(enabled), "monitor sections' enabled")
+
+
 def take_user_values(cfg: TrainConfig, raw: dict, source: str, dp_size: int) -> tuple[TrainConfig, dict]:
     """(settings, DeepSpeed config) after the rule of the module docstring: the settings hold every value the config
     wrote, the config "auto" in their place.  Settings taken from the file count as written (``given``)."""
@@ -224,6 +242,7 @@ def take_user_values(cfg: TrainConfig, raw: dict, source: str, dp_size: int) -> 
     _take_scheduler(raw, taken)
     _take_precision(raw, taken)
     _take_batch(raw, taken, dp_size)
+    _take_monitors(raw, taken)
     cfg = taken.cfg
     if not taken.values:
         return cfg, raw
@@ -234,6 +253,25 @@ def take_user_values(cfg: TrainConfig, raw: dict, source: str, dp_size: int) -> 
         raise InputError(f"--ds-config {source}: {error} (after taking {', '.join(taken.keys.values())} from it)") \
             from None
     return cfg, raw
+
+
+def monitor_sections(cfg: TrainConfig, ds: dict) -> None:
+    """The monitor sections of --report-to in ``ds`` (a config's own settings in them kept): enabled, under the
+    output folder, named after the run, in --project."""
+    if cfg.project is not None and not {"wandb", "comet"} & set(cfg.monitors):
+        raise InputError(f"--project {cfg.project} names a wandb or comet project: add --report-to wandb or comet")
+    for name in cfg.monitors:
+        section = ds.setdefault(MONITORS[name], {})
+        section["enabled"] = True
+        if name in ("tensorboard", "csv"):
+            section.setdefault("output_path", cfg.output_dir)
+            section.setdefault("job_name", cfg.resolved_run_name)
+        elif name == "wandb":
+            section.setdefault("group", cfg.resolved_run_name)
+        else:
+            section.setdefault("experiment_name", cfg.resolved_run_name)
+        if name in ("wandb", "comet") and cfg.project is not None:
+            section.setdefault("project", cfg.project)
 
 
 def optimizer_section(cfg: TrainConfig) -> dict:
