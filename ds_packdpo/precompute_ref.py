@@ -11,7 +11,6 @@ to rank 0, which writes ``FILE`` and ``FILE.meta.json`` (see :mod:`ds_packdpo.ru
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 

@@ -154,8 +154,8 @@ BAD_CONFIGS = {
     "exclusive batch settings": (lambda d: ["--global-batch-pairs", "8", "--tokens-per-step", "4096"],
                                  "--global-batch-pairs and --tokens-per-step are exclusive"),
     "DeepSpeed batch contradicts": (
-        lambda d: ["--global-batch-pairs", "8",
-                   "--ds-config", _ds_config(d, json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))],
+        lambda d: ["--global-batch-pairs", "8", "--ds-config",
+                   _ds_config(d, json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))],
         "ds.json: 'train_batch_size': 16 and --global-batch-pairs 8 differ; give it in one place"),
     "DeepSpeed config not JSON": (lambda d: ["--ds-config", _ds_config(d, "{ not json")], "not valid JSON"),
     "missing model folder": (lambda d: ["--model", str(d / "no_model")],

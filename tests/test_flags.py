@@ -68,7 +68,8 @@ COMMANDS = {
 # Flags that need another one to be valid at all (they are given in both command lines).
 CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"],
            "--allow-new-layout": ["--resume", "MODEL"], "--revision": ["--model", "org/hub-model"],
-           "--eval-steps": ["--eval-fraction", "0.5"], "--project": ["--report-to", "wandb"], "--eval-max-pairs": ["--eval-fraction", "0.5"],
+           "--eval-steps": ["--eval-fraction", "0.5"], "--eval-max-pairs": ["--eval-fraction", "0.5"],
+           "--project": ["--report-to", "wandb"],
            **{f"--lora-{name}": ["--lora-r", "1"] for name in ("alpha", "dropout", "target-modules")}}
 
 

@@ -10,7 +10,6 @@ and compares them with run_config.json, plan_summary.json and the plan line.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -163,9 +162,9 @@ def test_reported_values_are_the_ones_that_ran(tmp_path):
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "run"
-    proc = run(rank_module("ds_packdpo.train", *SMALL_RUN, "--lr", "1e-4", "--adam-epsilon", "1e-6", "--output-dir", str(out),
-                                 "--cache-dir", str(tmp_path / "cache"), "--ds-config", str(tmp_path / "ds.json"),
-                                 "--report-to", "csv", "--run-name", "values"))
+    proc = run(rank_module("ds_packdpo.train", *SMALL_RUN, "--lr", "1e-4", "--adam-epsilon", "1e-6", "--output-dir",
+                           str(out), "--cache-dir", str(tmp_path / "cache"), "--ds-config", str(tmp_path / "ds.json"),
+                           "--report-to", "csv", "--run-name", "values"))
     records = read_metrics(out / "metrics.jsonl")
     settings = json.loads((out / "run_config.json").read_text())
     schedule = json.loads((out / "plan_summary.json").read_text())["schedule"]

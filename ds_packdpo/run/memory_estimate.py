@@ -99,7 +99,8 @@ def describe_estimate(estimate: dict) -> str:
     acts = estimate["activations"]
     on = estimate["activation_checkpointing"]
     return (f"memory per GPU (estimate): {_size(estimate['total'])} = model states {_size(estimate['model_states'])} "
-            f"(ZeRO-3 estimator, {estimate['parameters']:,} parameters over {estimate['world_size']} ranks) + reference "
+            f"(ZeRO-3 estimator, {estimate['parameters']:,} parameters over {estimate['world_size']} ranks) + "
+            f"reference "
             f"{_size(estimate['reference_weights'])} + activations {_size(acts['checkpointed' if on else 'full'])} "
             f"({estimate['row_tokens']} tokens a row, {'with' if on else 'without'} activation checkpointing) + "
             f"log-prob chunk {_size(estimate['logps_chunk'])}; {'without' if on else 'with'} activation checkpointing "

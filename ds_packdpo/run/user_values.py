@@ -153,7 +153,8 @@ def _take_scheduler(raw: dict, taken: _Taken) -> None:
     if "warmup_min_lr" in params:
         floor = _number(params.pop("warmup_min_lr"), "scheduler.params.warmup_min_lr", source)
         peak = taken.values.get("lr", taken.cfg.lr)
-        taken.take("min_lr_ratio", floor / peak, "scheduler.params.warmup_min_lr", f"{floor!r} (ratio {floor / peak:g})")
+        taken.take("min_lr_ratio", floor / peak, "scheduler.params.warmup_min_lr",
+                   f"{floor!r} (ratio {floor / peak:g})")
     if params:
         raise InputError(f"--ds-config {source}: 'scheduler.params.{next(iter(params))}' has no counterpart among the "
                          f"flags (--lr, --warmup-steps, --min-lr-ratio); remove it")
