@@ -236,7 +236,7 @@ def dry_run(argv: list[str]) -> int:
         from .run.trainer import describe_plan, plan_summary
 
         _check_procs(procs)
-        setup = prepare(parse_train_args(rest), "train", world_size=procs)
+        setup = prepare(parse_train_args(rest), "train", world_size=procs, dry_run=True)
         print(describe_plan(plan_summary(setup)))
         print(describe_estimate(estimate_memory(setup)), flush=True)
         return 0

@@ -23,7 +23,7 @@ from pathlib import Path
 from .data.plan import PlanConfig
 from .data.prepare import DataConfig
 from .errors import InputError
-from .hub import check_model_source, is_hub_id
+from .hub import check_bare_name, check_model_source, is_hub_id
 
 DTYPES = ("auto", "fp32", "bf16")
 # --report-to's names -> the DeepSpeed config's monitor sections
@@ -297,8 +297,10 @@ class TrainConfig:
         for key in ("model", "ref_model"):
             if getattr(self, key) is not None:
                 check_model_source(getattr(self, key), f"--{flag(key)}")
-        if self.tokenizer is not None and not (Path(self.tokenizer).is_dir() or is_hub_id(self.tokenizer)):
-            raise InputError(f"--tokenizer {self.tokenizer}: no such folder, and not a hub id")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            if not is_hub_id(self.tokenizer):
+                raise InputError(f"--tokenizer {self.tokenizer}: no such folder, and not a hub id")
+            check_bare_name(self.tokenizer, "--tokenizer", "tokenizer_config.json")
         if self.revision is not None and (self.model is None or not is_hub_id(self.model)):
             raise InputError(f"--revision {self.revision}: names a revision of a hub --model, and --model "
                              f"{self.model or '(none)'} is not a hub id")

@@ -384,3 +384,5 @@ def test_a_missing_relative_model_folder_is_said_at_once(tmp_path, out_dir, toke
                           f"--model mymodle: no such folder (relative to {tmp_path}), and not a hub id of the form "
                           f"org/name")
     assert time.perf_counter() - began < 5
+    code = cli.main(["prepare", "--tokenizer", "mytokeniser", "--synthetic-pairs", "4"])
+    assert_one_line_error(code, capsys.readouterr().err, "--tokenizer mytokeniser: no such folder (relative to ")

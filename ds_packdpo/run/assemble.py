@@ -181,13 +181,14 @@ def check_models(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size
     return hf_config
 
 
-def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None) -> RunSetup:
+def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None,
+            dry_run: bool = False) -> RunSetup:
     """Phase one: every check that needs no process group.
 
     ``world_size`` is the launch's when called before launching (the front command);
     under a launcher the layout comes from its environment.  ``check`` runs in one
     process.  ``--dtype auto`` is resolved here: the set-up's settings name the dtype
-    that runs.
+    that runs.  ``dry_run`` (``train --dry-run``) leaves a checkpoint resumed at another layout unconverted.
     """
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
@@ -225,7 +226,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
                      schedule)
     if command == "train":
         setup.resume = check_resume(cfg, prepared.fingerprint, layout)
-        if setup.resume is not None and setup.resume.universal:
+        if setup.resume is not None and setup.resume.universal and not dry_run:
             if layout.rank == 0:  # once, before any process group: the other ranks wait for rank 0 to start it
                 ensure_universal(setup.resume.tag_dir)
             setup.ds_config = with_universal_loading(setup.ds_config)
