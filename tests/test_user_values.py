@@ -154,21 +154,27 @@ def test_adam_flags_with_another_optimizer_are_refused(tmp_path):
 # ----------------------------------------------------------------------------- what ran, read back
 @pytest.mark.multirank
 def test_reported_values_are_the_ones_that_ran(tmp_path):
-    """One one-rank run whose optimizer, lr, betas, eps, weight decay, clipping and warm-up come from the user's
-    DeepSpeed config and the flags, half each: metrics.jsonl (read from the engine) agrees with run_config.json,
-    plan_summary.json and the plan line; --report-to csv writes DeepSpeed's csv monitor."""
-    ds = {"zero_optimization": {"stage": 3}, "gradient_clipping": 0.25,
+    """One one-rank run whose precision, batch, optimizer, lr, betas, eps, weight decay, clipping and warm-up come
+    from the user's DeepSpeed config and the flags: metrics.jsonl (the figures read from the engine) agrees with
+    run_config.json, plan_summary.json and the plan line; --report-to csv writes DeepSpeed's csv monitor."""
+    ds = {"zero_optimization": {"stage": 3}, "gradient_clipping": 0.25, "bf16": {"enabled": True},
+          "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "betas": [0.8, 0.9]}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "run"
-    proc = run(rank_module("ds_packdpo.train", *SMALL_RUN, "--lr", "1e-4", "--adam-epsilon", "1e-6", "--output-dir",
+    flags = [f for i, f in enumerate(SMALL_RUN) if f not in ("--global-batch-pairs", "--dtype")
+             and SMALL_RUN[i - 1] not in ("--global-batch-pairs", "--dtype")]
+    proc = run(rank_module("ds_packdpo.train", *flags, "--lr", "1e-4", "--adam-epsilon", "1e-6", "--output-dir",
                            str(out), "--cache-dir", str(tmp_path / "cache"), "--ds-config", str(tmp_path / "ds.json"),
                            "--report-to", "csv", "--run-name", "values"))
     records = read_metrics(out / "metrics.jsonl")
     settings = json.loads((out / "run_config.json").read_text())
     schedule = json.loads((out / "plan_summary.json").read_text())["schedule"]
     first = records[0]
+    assert first["dtype"] == settings["dtype"] == "bf16"
+    assert [r["pairs"] for r in records] == [8, 8, 8]  # 2 pairs a micro-batch x 4 accumulation steps x 1 rank
+    assert (settings["global_batch_pairs"], settings["micro_batch_pairs"]) == (8, 2)
     assert (first["optimizer"], first["adam_betas"], first["adam_epsilon"]) == ("AdamW", [0.8, 0.9], 1e-6)
     assert (first["weight_decay"], first["max_grad_norm"]) == (0.01, 0.25)
     assert (settings["optimizer"], [settings["adam_beta1"], settings["adam_beta2"]], settings["adam_epsilon"]) == (

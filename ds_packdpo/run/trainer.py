@@ -109,12 +109,13 @@ class DPOTrainer:
         return metrics
 
 
-def optimizer_settings(engine) -> dict:
-    """The optimizer's settings read back from the engine that runs them (the first record of a run reports them, to
-    be compared with run_config.json): its class, the decayed group's weight decay (biases, norms and embeddings get
-    none), Adam's betas and eps, DeepSpeed's gradient clipping."""
+def engine_settings(engine) -> dict:
+    """The settings read back from the engine that runs them (the first record of a run reports them, to be compared
+    with run_config.json): its precision, the optimizer's class, the decayed group's weight decay (biases, norms and
+    embeddings get none), Adam's betas and eps, DeepSpeed's gradient clipping."""
     groups = engine.optimizer.param_groups
-    settings = {"optimizer": type(engine.basic_optimizer).__name__,
+    settings = {"dtype": "bf16" if engine.bfloat16_enabled() else "fp32",
+                "optimizer": type(engine.basic_optimizer).__name__,
                 "weight_decay": max(group.get("weight_decay", 0.0) for group in groups),
                 "max_grad_norm": float(engine.gradient_clipping())}
     if "betas" in groups[0]:
@@ -200,8 +201,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
                 record.update(meter.figures(meter.step_flops(plan), seconds))
             if setup.held_out is not None and evaluation_due(cfg, global_step, last=global_step >= steps):
                 record.update(evaluate(run))
-            if not history:  # this process's first step: what the optimizer ran with
-                record.update(optimizer_settings(run.policy))
+            if not history:  # this process's first step: what the engine ran with
+                record.update(engine_settings(run.policy))
             history.append(record)
             if writer.enabled and metrics["skipped"]:
                 logger.warning(f"step {global_step} skipped: non-finite loss or gradient "
