@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -452,6 +453,20 @@ def _coerce(key: str, value, tp: type, source: str):
     raise InputError(f"{source}: key '{key}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
 
 
+@functools.cache
+def _yaml_loader():
+    """yaml.SafeLoader that also reads 1e-4 as a number: YAML 1.1, which PyYAML implements, needs a dot (1.0e-4)
+    and would hand --lr the string '1e-4'."""
+    import yaml  # deferred: only YAML files need it
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    exponent = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789"))
+    return Loader
+
+
 def read_mapping(path: str, what: str) -> dict:
     """A JSON or YAML file (by its suffix: .yaml/.yml, else JSON) holding one mapping; ``what`` names the flag in
     errors."""
@@ -461,9 +476,9 @@ def read_mapping(path: str, what: str) -> dict:
     try:
         text = file.read_text()
         if yaml_file:
-            import yaml  # deferred: only YAML files need it
+            import yaml
 
-            raw = yaml.safe_load(text)
+            raw = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader
         else:
             raw = json.loads(text)
     except (FileNotFoundError, IsADirectoryError):

@@ -167,7 +167,7 @@ def test_yaml_recipe_and_run_config_round_trip(tmp_path):
     """--config takes YAML with the JSON file's flat keys (flag names, either spelling); a run's settings, written as
     run_config.json is, read back through --config give the same settings, now all counted as written."""
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("# a recipe\nlr: 2.0e-5\nmax-length: 256\nloss: ipo\npacking: false\nlr_scheduler: cosine\n"
+    recipe.write_text("# a recipe\nlr: 2e-5\nmax-length: 256\nloss: ipo\npacking: false\nlr_scheduler: cosine\n"
                       "global_batch_pairs: 32\n")
     cfg = parse_train_args(["--config", str(recipe), "--max-length", "128"])
     assert (cfg.lr, cfg.max_length, cfg.loss, cfg.packing, cfg.lr_scheduler, cfg.global_batch_pairs) == (

@@ -210,3 +210,14 @@ def test_report_to_is_deepspeeds_monitors_by_the_same_rule(tmp_path):
         resolve(["--report-to", "csv,mlflow"], {})
     with pytest.raises(InputError, match="--project dpo names a wandb or comet project"):
         resolve(["--report-to", "csv", "--project", "dpo"], {})
+
+
+def test_a_yaml_deepspeed_config_follows_the_rule(tmp_path):
+    """--ds-config ds.yaml reads as its JSON twin (1e-4 a number, as JSON has it, not YAML 1.1's string)."""
+    from ds_packdpo.run.engines import load_ds_config
+
+    (tmp_path / "ds.yaml").write_text("zero_optimization:\n  stage: 3\noptimizer:\n  type: AdamW\n  params:\n"
+                                      "    lr: 1e-4\n    betas: [0.8, 0.9]\ngradient_clipping: 0.5\n")
+    raw, source = load_ds_config(str(tmp_path / "ds.yaml"))
+    cfg, _ = take_user_values(parse_train_args([]), raw, source, DP)
+    assert (cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.max_grad_norm) == (1e-4, 0.8, 0.9, 0.5)
