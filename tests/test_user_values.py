@@ -134,6 +134,9 @@ def test_accumulation_steps_count_pairs():
     ({"optimizer": {"params": {"lr": 1e-3}}, "scheduler": {"params": {"warmup_max_lr": 1e-4}}},
      "'scheduler.params.warmup_max_lr': 0.0001 and 'optimizer.params.lr' differ"),
     ({"fp16": {"enabled": True}}, "fp16 is not supported"),
+    ({"optimizer": {"type": 7}}, "'optimizer.type' must be a name, got 7"),
+    ({"optimizer": {"params": {"lr": 0}}, "scheduler": {"params": {"warmup_min_lr": 0}}},
+     "which must be > 0, got 0"),
     ({"optimizer": {"params": {"weight_decay": -1}}}, "--weight-decay must be >= 0, got -1 (after taking"),
 ])
 def test_what_no_flag_can_say_is_refused(ds, message):

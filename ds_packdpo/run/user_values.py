@@ -88,6 +88,8 @@ def _take_optimizer(raw: dict, taken: _Taken) -> None:
         raw["gradient_clipping"] = "auto"
     optimizer = _section(raw, "optimizer", taken.source)
     if _written(optimizer, "type"):
+        if not isinstance(optimizer["type"], str):
+            raise InputError(f"--ds-config {taken.source}: 'optimizer.type' must be a name, got {optimizer['type']!r}")
         taken.take("optimizer", optimizer["type"], "optimizer.type")
         optimizer["type"] = "auto"
     params = _section(optimizer, "params", taken.source)
@@ -153,6 +155,9 @@ def _take_scheduler(raw: dict, taken: _Taken) -> None:
     if "warmup_min_lr" in params:
         floor = _number(params.pop("warmup_min_lr"), "scheduler.params.warmup_min_lr", source)
         peak = taken.values.get("lr", taken.cfg.lr)
+        if peak <= 0:
+            raise InputError(f"--ds-config {source}: 'scheduler.params.warmup_min_lr' is a fraction of the peak LR, "
+                             f"which must be > 0, got {peak}")
         taken.take("min_lr_ratio", floor / peak, "scheduler.params.warmup_min_lr",
                    f"{floor!r} (ratio {floor / peak:g})")
     if params:
