@@ -35,7 +35,7 @@ import transformers
 from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
-from .config import TrainConfig, add_arguments, config_from_args, to_dict
+from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
 from .data.plan import steps_per_epoch
 from .data.run_plan import run_plan
 from .errors import InputError, run_guarded
@@ -92,7 +92,7 @@ class BenchSettings:
 
 
 def bench_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Packed vs padded throughput of the DPO step.")
+    parser = FlagParser(prog=prog, description="Packed vs padded throughput of the DPO step.")
     add_arguments(parser)
     group = parser.add_argument_group("bench")
     group.add_argument("--out", default=BenchSettings.out, help="Report folder (written atomically by rank 0).")

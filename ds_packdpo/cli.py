@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .config import add_arguments, config_from_args, parse_train_args
+from .config import FlagParser, TrainConfig, add_arguments, config_from_args, parse_train_args
+from .console import launcher_options, rank_environment
 from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
 from .data.run_plan import checked_plan_config, run_plan
@@ -35,12 +36,14 @@ from .run.layout import ParallelLayout, free_port
 LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
-def _launch(argv: list[str], procs: int, master_port: int | None, module: str) -> int:
+def _launch(argv: list[str], procs: int, master_port: int | None, module: str, verbose: bool = False) -> int:
     """Re-runs this command (``module``) under the deepspeed launcher (arguments as a list, never through a shell)."""
-    env = dict(os.environ)  # with DS_ACCELERATOR=cpu on a machine without CUDA (_cpu_unless_cuda)
+    # with DS_ACCELERATOR=cpu on a machine without CUDA (_cpu_unless_cuda)
+    device_type = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda"
+    env = rank_environment(dict(os.environ), procs, device_type)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", str(procs), "--master_port", str(master_port or free_port()),
-           "--module", module, *argv]
+    cmd = [launcher, *launcher_options(verbose), "--num_gpus", str(procs), "--master_port",
+           str(master_port or free_port()), "--module", module, *argv]
     return launcher_status(subprocess.call(cmd, env=env))
 
 
@@ -66,7 +69,7 @@ def launcher_status(code: int) -> int:
 
 
 def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = FlagParser(prog=prog, description=description)
     add_arguments(parser)
     return parser
 
@@ -152,29 +155,42 @@ def cmd_check(argv: list[str]) -> int:
 
 
 def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list[str]], int],
-                         validate: Callable[[list[str], int], object]) -> int:
-    """Under a launcher: one rank (``rank_main``).  Outside one: validate, then start the launcher on ``module``."""
+                         validate: Callable[[list[str], int], TrainConfig]) -> int:
+    """Under a launcher: one rank (``rank_main``).  Outside one: validate (which returns the settings), then start
+    the launcher on ``module``."""
     if any(os.environ.get(k) for k in LAUNCHED_ENV):
         return rank_main(argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--num-procs", type=int, default=None)
-    pre.add_argument("--master-port", type=int, default=None)
-    launch, rest = pre.parse_known_args(argv)
-    procs = _default_procs() if launch.num_procs is None else launch.num_procs
-    _cpu_unless_cuda()
+    launch, rest, procs = _launch_options(argv)
+    validated = []
 
     def check() -> int:
         """Phase one runs here too, so bad input fails before any rank starts."""
-        if procs < 1:
-            raise InputError(f"--num-procs must be >= 1, got {procs}")
-        validate(rest, procs)
+        _check_procs(procs)
+        validated.append(validate(rest, procs))
         remove_stale_locks()  # a stale one would hang every rank in init_distributed, with no output
         return 0
 
     code = run_guarded(check)
     if code:
         return code
-    return _launch(rest, procs, launch.master_port, module)
+    return _launch(rest, procs, launch.master_port, module, verbose=validated[0].verbose)
+
+
+def _launch_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
+    """(--num-procs/--master-port, the rest of ``argv``, the ranks to start) of a front command; on a machine
+    without CUDA the ranks will run on CPU."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--num-procs", type=int, default=None)
+    pre.add_argument("--master-port", type=int, default=None)
+    launch, rest = pre.parse_known_args(argv)
+    procs = _default_procs() if launch.num_procs is None else launch.num_procs
+    _cpu_unless_cuda()
+    return launch, rest, procs
+
+
+def _check_procs(procs: int) -> None:
+    if procs < 1:
+        raise InputError(f"--num-procs must be >= 1, got {procs}")
 
 
 def _default_procs() -> int:
@@ -190,14 +206,14 @@ def _cpu_unless_cuda() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the launched ranks get it
 
 
-def _phase_one(command: str) -> Callable[[list[str], int], None]:
+def _phase_one(command: str) -> Callable[[list[str], int], TrainConfig]:
     """The rank's phase one of ``command`` (settings, DeepSpeed config, output folder, data, plan, resume point,
     reference file), run in the front process; its tokenization fills the cache the ranks then read."""
 
-    def validate(argv: list[str], procs: int) -> None:
+    def validate(argv: list[str], procs: int) -> TrainConfig:
         from .run.assemble import prepare
 
-        prepare(parse_train_args(argv, prog=f"ds-packdpo {command}"), command, world_size=procs)
+        return prepare(parse_train_args(argv, prog=f"ds-packdpo {command}"), command, world_size=procs).cfg
 
     return validate
 
@@ -205,15 +221,38 @@ def _phase_one(command: str) -> Callable[[list[str], int], None]:
 def cmd_train(argv: list[str]) -> int:
     from .train import main as rank_main
 
+    if "--dry-run" in argv and not any(os.environ.get(k) for k in LAUNCHED_ENV):
+        return dry_run([arg for arg in argv if arg != "--dry-run"])
     return _distributed_command(argv, "ds_packdpo.train", rank_main, _phase_one("train"))
+
+
+def dry_run(argv: list[str]) -> int:
+    """``train --dry-run``: phase one of the run the flags describe (settings, data, plan, resume point) in this
+    process, then its plan line and a per-GPU memory estimate.  No process group, no rank, no output folder."""
+    _, rest, procs = _launch_options(argv)
+
+    def job() -> int:
+        from .run.assemble import prepare
+        from .run.memory_estimate import describe_estimate, estimate_memory
+        from .run.trainer import describe_plan, plan_summary
+
+        _check_procs(procs)
+        setup = prepare(parse_train_args(rest), "train", world_size=procs, dry_run=True)
+        print(describe_plan(plan_summary(setup)))
+        print(describe_estimate(estimate_memory(setup)), flush=True)
+        return 0
+
+    return run_guarded(job)
 
 
 def cmd_precompute_ref(argv: list[str]) -> int:
     from .precompute_ref import main as rank_main
     from .precompute_ref import parse_args, precompute_setup
 
-    def validate(rest: list[str], procs: int):
-        precompute_setup(*parse_args(rest), world_size=procs)
+    def validate(rest: list[str], procs: int) -> TrainConfig:
+        cfg, out = parse_args(rest)
+        precompute_setup(cfg, out, world_size=procs)
+        return cfg
 
     return _distributed_command(argv, "ds_packdpo.precompute_ref", rank_main, validate)
 
@@ -225,7 +264,7 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def export_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-packdpo export",
+    parser = FlagParser(prog="ds-packdpo export",
                                      description="A training checkpoint as a Hugging Face folder (safetensors).")
     parser.add_argument("--checkpoint", required=True, help="A checkpoint folder, or a --save-dir (its 'latest').")
     parser.add_argument("--out", required=True, help="The Hugging Face folder to write.")
@@ -277,14 +316,16 @@ def cmd_bench(argv: list[str]) -> int:
     from .bench import check_configurations, parse_bench_args
     from .bench import main as rank_main
 
-    def validate(rest: list[str], procs: int):
-        check_configurations(*parse_bench_args(rest), world_size=procs)
+    def validate(rest: list[str], procs: int) -> TrainConfig:
+        cfg, settings = parse_bench_args(rest)
+        check_configurations(cfg, settings, world_size=procs)
+        return cfg
 
     return _distributed_command(argv, "ds_packdpo.bench", rank_main, validate)
 
 
 def report_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-packdpo report",
+    parser = FlagParser(prog="ds-packdpo report",
                                      description="Merge bench folders into one comparison report.")
     parser.add_argument("folders", nargs="+", help="Bench folders (each holding report.json).")
     parser.add_argument("--out", required=True, help="Folder of the comparison (merged.json, report.md, PNG).")
@@ -313,6 +354,11 @@ COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "pack-stats": cmd_pack_s
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from . import __version__
+
+        print(f"ds-packdpo {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"ds-packdpo: unknown command {argv[0]!r}", file=sys.stderr)

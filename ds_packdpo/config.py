@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import json
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +24,11 @@ from pathlib import Path
 from .data.plan import PlanConfig
 from .data.prepare import DataConfig
 from .errors import InputError
-from .hub import check_model_source, is_hub_id
+from .hub import check_bare_name, check_model_source, is_hub_id
 
 DTYPES = ("auto", "fp32", "bf16")
+# --report-to's names -> the DeepSpeed config's monitor sections
+MONITORS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": "csv_monitor", "comet": "comet"}
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
@@ -102,7 +106,12 @@ class TrainConfig:
     max_steps: int | None = _opt("Stop after this many optimizer steps.")
     seed: int = _opt("Seed for the plan, the model init and everything random.", 0)
     # --- optimisation and loss ---
+    optimizer: str = _opt("Optimizer: a DeepSpeed optimizer (AdamW, Adam, Lamb, Lion, ...) or a torch.optim class name "
+                          "(e.g. SGD).", "AdamW")
     lr: float = _opt("Peak learning rate.", 1e-6)
+    adam_beta1: float = _opt("Adam/AdamW beta1.", 0.9)
+    adam_beta2: float = _opt("Adam/AdamW beta2.", 0.95)
+    adam_epsilon: float = _opt("Adam/AdamW epsilon.", 1e-8)
     weight_decay: float = _opt("AdamW weight decay.", 0.0)
     warmup_steps: int = _opt("Linear warm-up steps of the LR schedule (the LR reaches --lr at step N).", 0)
     max_grad_norm: float = _opt("Gradient clipping (0 disables).", 1.0)
@@ -132,8 +141,18 @@ class TrainConfig:
     output_dir: str = _opt("Run folder (metrics, logs).", "runs/train")
     metrics_out: str | None = _opt("Per-step JSON lines (default OUTPUT_DIR/metrics.jsonl).")
     overwrite: bool = _opt("Allow writing into a non-empty output folder.", False)
-    progress: bool = _opt("Show the progress bar on rank 0.", True)
-    config: str | None = _opt("JSON file of settings (keys are flag names); flags given on the command line win.")
+    progress: bool = _opt("Show the progress bar on rank 0; --no-progress prints one line every --logging-steps "
+                          "steps instead.", True)
+    logging_steps: int = _opt("With --no-progress, print a line of the step's figures every N optimizer steps.", 10)
+    verbose: bool = _opt("Show libraries' warnings and DeepSpeed's INFO lines (the launcher's commands) and warnings.",
+                         False)
+    config: str | None = _opt("A JSON or YAML file of settings (keys are flag names; a run's own run_config.json "
+                              "too); flags given on the command line win.")
+    report_to: str | None = _opt("Report the per-step figures through DeepSpeed's monitors: a comma-separated list of "
+                                 "tensorboard, wandb, csv, comet. Default: the monitor sections of --ds-config.")
+    run_name: str | None = _opt("The run's name in the monitors (tensorboard and csv job name, wandb group, comet "
+                                "experiment name). Default: the output folder's name.")
+    project: str | None = _opt("The wandb or comet project of --report-to.")
     # --- checkpoints, resume, export, bad steps ---
     save_steps: int | None = _opt("Save a checkpoint every N optimizer steps and at the end (DeepSpeed, ZeRO shards).")
     save_dir: str | None = _opt("Checkpoint folder (default OUTPUT_DIR/checkpoints).")
@@ -167,6 +186,9 @@ class TrainConfig:
         "pairs whatever the seed, layout or order, never trained on.")
     eval_steps: int | None = _opt("Evaluate every N optimizer steps (always after the last one too).")
     eval_max_pairs: int | None = _opt("Evaluate on the first N held-out pairs only.")
+    # Not a flag: the settings the user wrote (command line or --config), as opposed to defaults.  A value the
+    # DeepSpeed config can give too runs from there when the flag was left at its default (run/user_values.py).
+    given: frozenset = field(default=frozenset(), repr=False, compare=False, metadata={"flag": False})
 
     # ------------------------------------------------------------------
     @property
@@ -217,23 +239,37 @@ class TrainConfig:
         return loss
 
     @property
+    def monitors(self) -> list[str]:
+        """--report-to as a list (in the order given, each once)."""
+        names = [name.strip() for name in (self.report_to or "").split(",") if name.strip()]
+        return list(dict.fromkeys(names))
+
+    @property
+    def resolved_run_name(self) -> str:
+        return self.run_name or Path(self.output_dir).resolve().name
+
+    @property
     def resolved_metrics_out(self) -> str:
         return self.metrics_out or os.path.join(self.output_dir, "metrics.jsonl")
 
+    def is_given(self, name: str) -> bool:
+        """Whether the user wrote setting ``name`` (a field name) rather than leaving it at its default."""
+        return name in self.given
+
     def validate(self) -> None:
         """Checks that need nothing but the settings themselves."""
-        for f in dataclasses.fields(self):
+        for f in flag_fields(type(self)):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise InputError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise InputError(f"--{flag(f.name)} must be a finite number, got {value}")
-        for key in ("weight_decay", "max_grad_norm", "warmup_steps"):
+        for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon"):
             if getattr(self, key) < 0:
                 raise InputError(f"--{flag(key)} must be >= 0, got {getattr(self, key)}")
         positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "logps_chunk_tokens",
-                    "sequence_parallel_size"]
+                    "sequence_parallel_size", "logging_steps"]
         for key in positive:
             if getattr(self, key) < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {getattr(self, key)}")
@@ -246,6 +282,9 @@ class TrainConfig:
             raise InputError("--global-batch-pairs and --tokens-per-step are exclusive; give one")
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
             raise InputError(f"--max-prompt-length ({self.max_prompt_length}) must be below --max-length ({self.max_length})")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise InputError(f"--{flag(key)} must be in [0, 1), got {getattr(self, key)}")
         if self.lr <= 0 or self.beta <= 0:
             raise InputError(f"--lr and --beta must be > 0, got lr={self.lr} beta={self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
@@ -259,8 +298,10 @@ class TrainConfig:
         for key in ("model", "ref_model"):
             if getattr(self, key) is not None:
                 check_model_source(getattr(self, key), f"--{flag(key)}")
-        if self.tokenizer is not None and not (Path(self.tokenizer).is_dir() or is_hub_id(self.tokenizer)):
-            raise InputError(f"--tokenizer {self.tokenizer}: no such folder, and not a hub id")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            if not is_hub_id(self.tokenizer):
+                raise InputError(f"--tokenizer {self.tokenizer}: no such folder, and not a hub id")
+            check_bare_name(self.tokenizer, "--tokenizer", "tokenizer_config.json")
         if self.revision is not None and (self.model is None or not is_hub_id(self.model)):
             raise InputError(f"--revision {self.revision}: names a revision of a hub --model, and --model "
                              f"{self.model or '(none)'} is not a hub id")
@@ -269,6 +310,9 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {value}")
         self._validate_scale_settings()
+        unknown = sorted(set(self.monitors) - set(MONITORS))
+        if unknown:
+            raise InputError(f"--report-to: {', '.join(unknown)} is not one of {', '.join(MONITORS)}")
         if self.max_bad_steps < 1:
             raise InputError(f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
         if self.save_total_limit is not None and not self.save_steps:
@@ -346,6 +390,11 @@ def flag(name: str) -> str:
     return name.replace("_", "-")
 
 
+def flag_fields(config_cls=TrainConfig) -> list[dataclasses.Field]:
+    """The fields that are settings (a flag each, a key of --config and of run_config.json)."""
+    return [f for f in dataclasses.fields(config_cls) if f.metadata.get("flag", True)]
+
+
 @functools.cache
 def _type_hints(cls) -> dict:
     return typing.get_type_hints(cls)  # ~2 ms a call: once per field per parser made every parser cost 0.1 s
@@ -357,9 +406,27 @@ def _field_type(f: dataclasses.Field) -> type:
     return args[0] if args else tp
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse taking whole flag names only (an abbreviation such as --max-len once ran as --max-length) whose errors
+    are one line, naming the closest flag of a mistyped one, instead of the whole usage."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        flags = [option for action in self._actions for option in action.option_strings]
+        hints = []
+        if message.startswith("unrecognized arguments:"):
+            for arg in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(arg.split("=")[0], flags, n=1) if arg.startswith("--") else []
+                hints += [f"{arg.split('=')[0]}: did you mean {close[0]}?"] if close else []
+        self.exit(2, f"error: {self.prog}: {message}{'; ' if hints else ''}{'; '.join(hints)}\n")
+
+
 def add_arguments(parser: argparse.ArgumentParser, config_cls=TrainConfig) -> None:
     """Adds one flag per field; defaults are None so a config file can fill what the command line left out."""
-    for f in dataclasses.fields(config_cls):
+    for f in flag_fields(config_cls):
         tp = _field_type(f)
         kwargs = {"help": f.metadata.get("help"), "default": None, "dest": f.name}
         if tp is bool:
@@ -386,22 +453,62 @@ def _coerce(key: str, value, tp: type, source: str):
     raise InputError(f"{source}: key '{key}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
 
 
-def load_config_file(path: str, config_cls=TrainConfig) -> dict:
-    """Reads a JSON settings file; unknown keys and wrong types are errors naming the key."""
+@functools.cache
+def _yaml_loader():
+    """yaml.SafeLoader that also reads 1e-4 as a number: YAML 1.1, which PyYAML implements, needs a dot (1.0e-4)
+    and would hand --lr the string '1e-4'."""
+    import yaml  # deferred: only YAML files need it
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    exponent = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789"))
+    return Loader
+
+
+def read_mapping(path: str, what: str) -> dict:
+    """A JSON or YAML file (by its suffix: .yaml/.yml, else JSON) holding one mapping; ``what`` names the flag in
+    errors."""
+    file = Path(path)
+    yaml_file = file.suffix.lower() in (".yaml", ".yml")
+    kind = "YAML" if yaml_file else "JSON"
     try:
-        raw = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise InputError(f"--config {path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"--config {path}: not valid JSON ({exc})") from None
+        text = file.read_text()
+        if yaml_file:
+            import yaml
+
+            raw = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader
+        else:
+            raw = json.loads(text)
+    except (FileNotFoundError, IsADirectoryError):
+        raise InputError(f"{what} {path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} {path}: not valid {kind} ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{what} {path}: not valid JSON ({exc})") from None
+    except Exception as exc:  # yaml.YAMLError; its message spans lines (the mark's context)
+        if not yaml_file or type(exc).__module__.split(".")[0] != "yaml":
+            raise
+        raise InputError(f"{what} {path}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(raw, dict):
-        raise InputError(f"--config {path}: expected a JSON object of settings, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+        raise InputError(f"{what} {path}: expected a {kind} mapping of settings, got {type(raw).__name__}")
+    return raw
+
+
+def load_config_file(path: str, config_cls=TrainConfig) -> dict:
+    """Reads a JSON or YAML settings file; unknown keys and wrong types are errors naming the key.  A run's own
+    run_config.json (whose 'config' names the file it was read from, if any) is accepted back."""
+    raw = read_mapping(path, "--config")
+    fields = {f.name: f for f in flag_fields(config_cls)}
     values = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name == "config" and value is None:
+            continue  # run_config.json of an earlier version
         if name not in fields or name == "config":
-            raise InputError(f"--config {path}: unknown key '{key}'")
+            hint = "; a settings file cannot name another" if name == "config" else ""
+            raise InputError(f"--config {path}: unknown key '{key}'{hint}")
         f = fields[name]
         values[name] = _coerce(key, value, _field_type(f), f"--config {path}")
         choices = f.metadata.get("choices")
@@ -411,19 +518,25 @@ def load_config_file(path: str, config_cls=TrainConfig) -> dict:
 
 
 def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
-    """Merges defaults < config file < command line into a validated config."""
+    """Merges defaults < config file < command line into a validated config that records which settings the user
+    wrote (``given``)."""
     values = load_config_file(args.config, config_cls) if getattr(args, "config", None) else {}
-    for f in dataclasses.fields(config_cls):
+    for f in flag_fields(config_cls):
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name] = given
-    cfg = config_cls(**values)
+    values = {k: v for k, v in values.items() if v is not None}  # a null in a file is the default
+    cfg = config_cls(**values, given=frozenset(values))
     cfg.validate()
     return cfg
 
 
 def train_parser(prog: str = "ds-packdpo train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.")
+    parser = FlagParser(
+        prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.",
+        epilog="ds-packdpo train (outside a launcher) also takes --num-procs N (ranks to start), --master-port P and "
+               "--dry-run (phase one only: the plan line and a per-GPU memory estimate; nothing starts, nothing is "
+               "written).")
     add_arguments(parser)
     return parser
 
@@ -433,4 +546,6 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo trai
 
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """The settings, as run_config.json holds them and --config reads them back: every value a --config file gave is
+    among them, so the file's own name is not."""
+    return {f.name: getattr(cfg, f.name) for f in flag_fields(type(cfg)) if f.name != "config"}

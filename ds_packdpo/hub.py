@@ -27,9 +27,19 @@ def is_hub_id(name: str) -> bool:
     return True
 
 
+def check_bare_name(name: str, where: str, file: str) -> None:
+    """A hub id without an organisation must be in the hub cache (holding ``file``): a bare name that is not is far
+    likelier a mistyped relative folder than one of the few legacy hub repositories without one, and the hub would
+    answer it only after retries, tens of seconds later."""
+    if "/" not in name and not isinstance(try_to_load_from_cache(name, file), str):
+        raise InputError(f"{where} {name}: no such folder (relative to {Path.cwd()}), and not a hub id of the form "
+                         f"org/name")
+
+
 def check_model_source(name: str, where: str = "--model") -> None:
     """A local Hugging Face model folder (holding config.json) or a hub id; else one InputError naming it."""
     if is_hub_id(name):
+        check_bare_name(name, where, "config.json")
         return
     folder = Path(name)
     if not (folder / "config.json").is_file():

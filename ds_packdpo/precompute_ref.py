@@ -11,13 +11,12 @@ to rank 0, which writes ``FILE`` and ``FILE.meta.json`` (see :mod:`ds_packdpo.ru
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 
 import torch.distributed as dist
 
-from .config import add_arguments, config_from_args
+from .config import FlagParser, add_arguments, config_from_args
 from .data.run_plan import run_plan
 from .run.assemble import RunSetup, prepare, start
 from .run.process_group import exit_rank, run_rank_job
@@ -25,7 +24,7 @@ from .run.reference import RECORD_KEYS, check_output_path, reference_fingerprint
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute-ref"):
-    parser = argparse.ArgumentParser(prog=prog, description="Reference log-probs of every pair, computed once, "
+    parser = FlagParser(prog=prog, description="Reference log-probs of every pair, computed once, "
                                      "for 'ds-packdpo train --ref-logps FILE'. Takes the training flags.")
     add_arguments(parser)
     parser.add_argument("--out", default=None, help="The file to write: FILE.jsonl (or FILE.parquet), "

@@ -11,6 +11,7 @@ the front command and through the rank entry ``python -m ds_packdpo.train``.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -117,8 +118,8 @@ def test_bad_dataset_files(case, tmp_path, train_front):
 
 
 # ----------------------------------------------------------------------------- impossible configurations
-def _config_file(tmp_path: Path, settings: dict | str) -> str:
-    path = tmp_path / "settings.json"
+def _config_file(tmp_path: Path, settings: dict | str, suffix: str = "json") -> str:
+    path = tmp_path / f"settings.{suffix}"
     path.write_text(settings if isinstance(settings, str) else json.dumps(settings))
     return str(path)
 
@@ -140,11 +141,22 @@ BAD_CONFIGS = {
     "wrong type": (lambda d: ["--config", _config_file(d, {"max_length": "long"})],
                    "key 'max_length' must be int, got str 'long'"),
     "config not JSON": (lambda d: ["--config", _config_file(d, "{max_length: 64")], "not valid JSON"),
+    "unknown key in YAML": (lambda d: ["--config", _config_file(d, "max_lenght: 64\n", "yaml")],
+                            "settings.yaml: unknown key 'max_lenght'"),
+    "wrong type in YAML": (lambda d: ["--config", _config_file(d, "max_length: [64]\n", "yaml")],
+                           "settings.yaml: key 'max_length' must be int, got list [64]"),
+    "config not YAML": (lambda d: ["--config", _config_file(d, "max_length: [64\n", "yml")],
+                        "settings.yml: not valid YAML (while parsing a flow sequence"),
+    "YAML list, not settings": (lambda d: ["--config", _config_file(d, "- 1\n", "yaml")],
+                                "settings.yaml: expected a YAML mapping of settings, got list"),
+    "DeepSpeed YAML config": (lambda d: ["--ds-config", _config_file(d, "zero_optimization: {stage: 7}\n", "yaml")],
+                              "settings.yaml: 'zero_optimization.stage': Input should be 0, 1, 2, 3"),
     "exclusive batch settings": (lambda d: ["--global-batch-pairs", "8", "--tokens-per-step", "4096"],
                                  "--global-batch-pairs and --tokens-per-step are exclusive"),
     "DeepSpeed batch contradicts": (
-        lambda d: ["--ds-config", _ds_config(d, json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))],
-        "'train_batch_size': 16 contradicts the run (2 data-parallel ranks"),
+        lambda d: ["--global-batch-pairs", "8", "--ds-config",
+                   _ds_config(d, json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 3}}))],
+        "ds.json: 'train_batch_size': 16 and --global-batch-pairs 8 differ; give it in one place"),
     "DeepSpeed config not JSON": (lambda d: ["--ds-config", _ds_config(d, "{ not json")], "not valid JSON"),
     "missing model folder": (lambda d: ["--model", str(d / "no_model")],
                              "no_model: not a local HF model folder (no such folder, and not a hub model id)"),
@@ -174,7 +186,7 @@ BAD_CONFIGS = {
         "'optimizer.type': 'AdamQ' is neither a DeepSpeed nor a torch.optim optimizer"),
     "DeepSpeed unknown scheduler": (
         lambda d: ["--ds-config", _ds_config(d, json.dumps({"scheduler": {"type": "WarmupLRR", "params": {}}}))],
-        "'scheduler.type': 'WarmupLRR' contradicts --lr-scheduler linear (WarmupDecayLR, filled from --lr"),
+        "'scheduler.type': 'WarmupLRR' is not one ds_packdpo runs (WarmupLR (--lr-scheduler constant)"),
     "model folder without config.json": (
         lambda d: ["--model", str(_folder(d / "not_a_model"))],
         "not_a_model: not a local HF model folder (no config.json in the folder)"),
@@ -191,9 +203,9 @@ BAD_CONFIGS = {
     "floor of a constant LR": (lambda d: ["--lr-scheduler", "constant", "--min-lr-ratio", "0.1"],
                                "--min-lr-ratio 0.1 has no effect with --lr-scheduler constant"),
     "DeepSpeed scheduler contradicts the flags": (
-        lambda d: ["--ds-config", _ds_config(d, json.dumps({"scheduler": {"type": "WarmupDecayLR",
-                                                                          "params": {"warmup_num_steps": 100}}}))],
-        "'scheduler.params.warmup_num_steps': 100 contradicts --lr-scheduler linear (WarmupDecayLR"),
+        lambda d: ["--warmup-steps", "2", "--ds-config", _ds_config(d, json.dumps({"scheduler": {
+            "type": "WarmupDecayLR", "params": {"warmup_num_steps": 100}}}))],
+        "'scheduler.params.warmup_num_steps': 100 and --warmup-steps 2 differ; give it in one place"),
     "eval steps without a held-out set": (lambda d: ["--eval-steps", "5"],
                                           "--eval-steps needs a held-out set: --eval-dataset or --eval-fraction"),
     "eval fraction of 1": (lambda d: ["--eval-fraction", "1"], "--eval-fraction must be in (0, 1), got 1.0"),
@@ -352,3 +364,28 @@ def test_train_phase_one_warns_when_ranks_idle(tmp_path, out_dir, tokenizer_dir)
                                          "50% of the ranks' compute"):
         prepare(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--global-batch-pairs", "1"]),
                 world_size=2)
+
+
+@pytest.mark.parametrize("command", ["train", "prepare", "bench"])
+def test_a_typo_or_an_abbreviation_is_one_line_naming_the_flag(command, no_launch, capsys):
+    """A mistyped flag answers in one line with the closest flag, not the whole usage; an abbreviation of a long flag
+    (argparse's default accepts --max-len as --max-length) is refused the same way."""
+    for typed in ("--max-lenght", "--max-len"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([command, typed, "64"])
+        assert_one_line_error(exit_.value.code, capsys.readouterr().err,
+                              f"unrecognized arguments: {typed} 64; {typed}: did you mean --max-length?")
+
+
+def test_a_missing_relative_model_folder_is_said_at_once(tmp_path, out_dir, tokenizer_dir, no_launch, capsys,
+                                                         monkeypatch):
+    """``--model mymodle`` (a bare name that is no folder here and not in the hub cache) is not tried on the hub."""
+    monkeypatch.chdir(tmp_path)
+    began = time.perf_counter()
+    code = cli.main(["train", *base_flags(tmp_path, out_dir, tokenizer_dir), "--model", "mymodle"])
+    assert_one_line_error(code, capsys.readouterr().err,
+                          f"--model mymodle: no such folder (relative to {tmp_path}), and not a hub id of the form "
+                          f"org/name")
+    assert time.perf_counter() - began < 5
+    code = cli.main(["prepare", "--tokenizer", "mytokeniser", "--synthetic-pairs", "4"])
+    assert_one_line_error(code, capsys.readouterr().err, "--tokenizer mytokeniser: no such folder (relative to ")

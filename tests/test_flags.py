@@ -16,9 +16,16 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ds_packdpo import bench, cli, precompute_ref
-from ds_packdpo.config import TrainConfig, config_from_args, parse_train_args, to_dict, train_parser
+from ds_packdpo import config as config_module
+from ds_packdpo.config import TrainConfig, config_from_args, flag_fields, parse_train_args, train_parser
+
+
+def to_dict(cfg) -> dict:
+    """Every setting, the --config file's name included (run_config.json leaves it out)."""
+    return {f.name: getattr(cfg, f.name) for f in flag_fields(type(cfg))}
 
 
 def _train(argv):
@@ -62,6 +69,7 @@ COMMANDS = {
 CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"],
            "--allow-new-layout": ["--resume", "MODEL"], "--revision": ["--model", "org/hub-model"],
            "--eval-steps": ["--eval-fraction", "0.5"], "--eval-max-pairs": ["--eval-fraction", "0.5"],
+           "--project": ["--report-to", "wandb"],
            **{f"--lora-{name}": ["--lora-r", "1"] for name in ("alpha", "dropout", "target-modules")}}
 
 
@@ -78,7 +86,8 @@ def values(tmp_path, monkeypatch) -> dict[str, str]:
     ref.write_text("")
     return {"MODEL": str(model), "--model": str(model), "--ref-model": str(model), "--tokenizer": str(model),
             "--config": str(config), "--ref-logps": str(ref), "--resume": str(model),
-            "--configurations": "padded", "--out": str(tmp_path / "new_out.jsonl"), "--max-shard-size": "200MB"}
+            "--configurations": "padded", "--adam-beta1": "0.5", "--adam-beta2": "0.5", "--optimizer": "SGD",
+            "--report-to": "csv", "--out": str(tmp_path / "new_out.jsonl"), "--max-shard-size": "200MB"}
 
 
 def _options(parser: argparse.ArgumentParser):
@@ -139,7 +148,7 @@ def test_every_flag_changes_exactly_what_it_names(command, values):
         walked.add(field)
     if command in ("train", "bench", "precompute-ref", "prepare", "pack-stats", "check"):
         # every setting of the run has a flag, and every one was walked
-        assert {f.name for f in dataclasses.fields(TrainConfig)} <= walked
+        assert {f.name for f in flag_fields(TrainConfig)} <= walked
 
 
 def test_packing_spellings_and_config_key(tmp_path):
@@ -152,6 +161,30 @@ def test_packing_spellings_and_config_key(tmp_path):
     settings.write_text(json.dumps({"packing": False}))
     assert parse_train_args(["--config", str(settings)]).packing is False
     assert parse_train_args(["--config", str(settings), "--packing"]).packing is True
+
+
+def test_yaml_recipe_and_run_config_round_trip(tmp_path):
+    """--config takes YAML with the JSON file's flat keys (flag names, either spelling); a run's settings, written as
+    run_config.json is, read back through --config give the same settings, now all counted as written."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("# a recipe\nlr: 2e-5\nmax-length: 256\nloss: ipo\npacking: false\nlr_scheduler: cosine\n"
+                      "global_batch_pairs: 32\n")
+    cfg = parse_train_args(["--config", str(recipe), "--max-length", "128"])
+    assert (cfg.lr, cfg.max_length, cfg.loss, cfg.packing, cfg.lr_scheduler, cfg.global_batch_pairs) == (
+        2e-5, 128, "ipo", False, "cosine", 32)
+    assert cfg.given == {"lr", "max_length", "loss", "packing", "lr_scheduler", "global_batch_pairs", "config"}
+    as_json = tmp_path / "recipe.json"
+    as_json.write_text(json.dumps({"lr": 2e-5, "max_length": 256, "loss": "ipo", "packing": False,
+                                   "lr_scheduler": "cosine", "global_batch_pairs": 32}))
+    assert to_dict(parse_train_args(["--config", str(as_json)])) == {**to_dict(parse_train_args(
+        ["--config", str(recipe)])), "config": str(as_json)}
+    for suffix in ("json", "yaml"):
+        run_config = tmp_path / f"run_config.{suffix}"
+        saved = config_module.to_dict(cfg)
+        run_config.write_text(json.dumps(saved) if suffix == "json" else yaml.safe_dump(saved))
+        again = parse_train_args(["--config", str(run_config)])
+        assert config_module.to_dict(again) == saved
+        assert {name for name, value in saved.items() if value is not None} <= again.given
 
 
 def test_commands_parsers_are_the_ones_main_uses():

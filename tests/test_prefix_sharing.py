@@ -160,7 +160,7 @@ def test_guard_checks_the_shared_layout_and_refuses_a_backend_that_ignores_it():
         assert_packing_exact(sdpa, "sdpa", VOCAB, pad_token_id=0, shared_prefix=True)
 
 
-def test_phase_one_shares_prefixes_where_the_backend_can(tmp_path):
+def test_phase_one_shares_prefixes_where_the_backend_can(tmp_path, capsys):
     def setup(*flags):
         return prepare(parse_train_args(["--synthetic-pairs", "16", "--max-length", "64", "--output-dir",
                                          str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), *flags]),
@@ -171,8 +171,14 @@ def test_phase_one_shares_prefixes_where_the_backend_can(tmp_path):
     assert not setup("--no-prefix-sharing").plan_cfg.prefix_sharing
     assert not setup("--no-packing").prefix_sharing  # padded batches hold whole sequences
     assert not setup("--attn", "sdpa", "--no-prefix-sharing").prefix_sharing
+    capsys.readouterr()
+    # a written --attn that cannot share prefixes turns the default off, in one warning line
+    chosen = setup("--attn", "sdpa")
+    assert not chosen.prefix_sharing and not chosen.plan_cfg.prefix_sharing and chosen.model_attn == "sdpa"
+    assert capsys.readouterr().err == ("warning: --attn sdpa: prefix sharing off (sdpa derives its masks from position "
+                                       "ids, which cannot say [prompt | chosen | rejected]); every prompt runs twice\n")
     with pytest.raises(InputError, match=r"^--attn sdpa: prefix sharing .* add --no-prefix-sharing to run sdpa$"):
-        setup("--attn", "sdpa")
+        setup("--attn", "sdpa", "--prefix-sharing")  # written both: refused
 
 
 def test_prefix_flash_backend_runs_shared_rows_through_the_flash_call(monkeypatch):

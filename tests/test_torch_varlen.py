@@ -173,3 +173,24 @@ def test_sequence_parallel_runs_torch_varlen_as_its_local_kernel(monkeypatch, tm
     with pytest.raises(InputError, match="^--attn torch_varlen: needs a CUDA device"):
         prepare(cfg, "train", world_size=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_sdpa_varlen_gives_way_on_cuda_in_half_precision(capsys):
+    """sdpa_varlen's shared rows gave non-finite gradients on an H200 in bf16: there the default sharing gives way in
+    one warning line and a written --prefix-sharing is refused; fp32, the CPU and the varlen kernels still share."""
+    from ds_packdpo.run.assemble import prefix_sharing_obstacle, settle_prefix_sharing
+    from ds_packdpo.run.layout import ParallelLayout
+
+    assert prefix_sharing_obstacle("sdpa_varlen", 1, "cuda", "bf16").startswith("sdpa_varlen's prefix-shared rows")
+    for attn, device, dtype in [("sdpa_varlen", "cuda", "fp32"), ("sdpa_varlen", "cpu", "bf16"),
+                                ("torch_varlen", "cuda", "bf16"), ("flash_attention_2", "cuda", "bf16")]:
+        assert prefix_sharing_obstacle(attn, 1, device, dtype) is None, (attn, device, dtype)
+    assert prefix_sharing_obstacle("sdpa_varlen", 2, "cuda", "bf16") is None  # Ulysses' local kernel: its own rule
+    layout = ParallelLayout(world_size=1, rank=0, sp_size=1)
+    default = parse_train_args(["--synthetic-pairs", "8", "--dtype", "bf16"])
+    assert not settle_prefix_sharing(default, "sdpa_varlen", layout, "cuda").prefix_sharing
+    assert capsys.readouterr().err.startswith("warning: --attn sdpa_varlen: prefix sharing off (sdpa_varlen's")
+    assert settle_prefix_sharing(default, "sdpa_varlen", layout, "cpu").prefix_sharing
+    written = parse_train_args(["--synthetic-pairs", "8", "--dtype", "bf16", "--prefix-sharing"])
+    with pytest.raises(InputError, match=r"^--attn sdpa_varlen: prefix sharing .* run sdpa_varlen$"):
+        settle_prefix_sharing(written, "sdpa_varlen", layout, "cuda")

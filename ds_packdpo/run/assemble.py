@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..config import TrainConfig, resolve_dtype
+from ..console import quiet_libraries
 from ..data.plan import PlanConfig
 from ..data.prepare import PreparedPairs
 from ..data.run_plan import checked_plan_config, total_steps
@@ -49,6 +51,7 @@ from .reference import PrecomputedReference, load_precomputed_reference
 from .schedule import Schedule, run_schedule
 from .sequence_parallel import SequenceParallel, check_attention, check_model_heads, init_sequence_parallel
 from .universal import ensure_universal, with_universal_loading
+from .user_values import check_adam_settings, take_user_values
 
 # What each command builds in phase two: a trained policy (with its reference), or only a frozen reference,
 # or (check) one model in this process with no process group.
@@ -81,7 +84,8 @@ class RunSetup:
     def prefix_sharing(self) -> bool:
         """Rows lay out each pair as [prompt | chosen | rejected] (phase one refused a backend that cannot, except for
         ``check``, which then checks packing alone)."""
-        return self.cfg.shares_prefixes and runs_prefix_sharing(self.attn, self.layout.sp_size)
+        return self.cfg.shares_prefixes and runs_prefix_sharing(self.attn, self.layout.sp_size, self.device_type,
+                                                                self.cfg.dtype)
 
     @property
     def model_attn(self) -> str:
@@ -113,19 +117,41 @@ def check_output_dir(cfg: TrainConfig) -> None:
                          "--resume auto to continue the run saved there)")
 
 
-def runs_prefix_sharing(attn: str, sp_size: int) -> bool:
-    """Whether ``attn`` runs prefix-shared rows: sdpa_varlen, torch_varlen and flash-attn at one rank, every local
-    attention of Ulysses.  transformers' sdpa, eager and flex_attention derive their masks from position ids, which
-    cannot say [prompt | chosen | rejected]."""
-    return sp_size > 1 or attn in OWN_KERNELS or is_flash(attn)
+def prefix_sharing_obstacle(attn: str, sp_size: int, device_type: str, dtype: str) -> str | None:
+    """Why ``attn`` cannot run prefix-shared rows here (None: it can).  sdpa_varlen, torch_varlen and flash-attn run
+    them at one rank, every local attention of Ulysses too; transformers' sdpa, eager and flex_attention derive their
+    masks from position ids, which cannot say [prompt | chosen | rejected].  sdpa_varlen's shared rows gave
+    non-finite or huge gradients on CUDA in half precision (H200, torch 2.11, two runs of the matrix) while its
+    kernel alone was exact: not trusted there until understood."""
+    if sp_size > 1 or is_flash(attn) or attn == TORCH_VARLEN:
+        return None
+    if attn == SDPA_VARLEN:
+        if device_type == "cuda" and dtype != "fp32":
+            return (f"{SDPA_VARLEN}'s prefix-shared rows gave non-finite gradients on CUDA in half precision (README "
+                    f"'On a GPU'); {TORCH_VARLEN} or flash-attn share prefixes there")
+        return None
+    return f"{attn} derives its masks from position ids, which cannot say [prompt | chosen | rejected]"
 
 
-def check_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout) -> None:
-    if cfg.shares_prefixes and not runs_prefix_sharing(attn, layout.sp_size):
-        raise InputError(f"--attn {attn}: prefix sharing (on by default for packed runs) needs --attn auto, "
-                         f"{SDPA_VARLEN}, {TORCH_VARLEN}, flash_attention_2 or flash_attention_3 ({attn} derives its masks from "
-                         f"position ids, which cannot say [prompt | chosen | rejected]); add --no-prefix-sharing to "
-                         f"run {attn}")
+def runs_prefix_sharing(attn: str, sp_size: int, device_type: str, dtype: str) -> bool:
+    """Whether ``attn`` runs prefix-shared rows on this device and dtype (:func:`prefix_sharing_obstacle`)."""
+    return prefix_sharing_obstacle(attn, sp_size, device_type, dtype) is None
+
+
+def settle_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout, device_type: str) -> TrainConfig:
+    """Prefix sharing is on by default for packed runs; where the backend cannot run it, that default gives way with
+    a one-line warning.  A written --prefix-sharing with such a backend is refused."""
+    why = prefix_sharing_obstacle(attn, layout.sp_size, device_type, cfg.dtype)
+    if not cfg.shares_prefixes or why is None:
+        return cfg
+    if not cfg.is_given("prefix_sharing"):
+        if layout.rank == 0:
+            print(f"warning: --attn {attn}: prefix sharing off ({why}); every prompt runs twice", file=sys.stderr,
+                  flush=True)
+        return dataclasses.replace(cfg, prefix_sharing=False)
+    raise InputError(f"--attn {attn}: prefix sharing (on by default for packed runs) needs --attn auto, "
+                     f"{SDPA_VARLEN}, {TORCH_VARLEN}, flash_attention_2 or flash_attention_3 ({why}); add "
+                     f"--no-prefix-sharing to run {attn}")
 
 
 def model_source(cfg: TrainConfig) -> str:
@@ -172,30 +198,34 @@ def check_models(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size
     return hf_config
 
 
-def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None) -> RunSetup:
+def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None,
+            dry_run: bool = False) -> RunSetup:
     """Phase one: every check that needs no process group.
 
     ``world_size`` is the launch's when called before launching (the front command);
     under a launcher the layout comes from its environment.  ``check`` runs in one
     process.  ``--dtype auto`` is resolved here: the set-up's settings name the dtype
-    that runs.
+    that runs.  ``dry_run`` (``train --dry-run``) leaves a checkpoint resumed at another layout unconverted.
     """
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
+    quiet_libraries(cfg.verbose)
     device_type = get_accelerator().device_name()
-    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device_type))
-    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS, dtype=cfg.dtype)
-    loss_cfg = cfg.loss_config()
     raw_ds, ds_source = load_ds_config(cfg.ds_config)
     layout = ParallelLayout.from_launch(cfg.sequence_parallel_size, zero_stage(raw_ds),
                                         world_size=1 if command == "check" else world_size)
+    cfg, raw_ds = take_user_values(cfg, raw_ds, ds_source, layout.dp_size)
+    check_adam_settings(cfg)
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device_type))
+    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS, dtype=cfg.dtype)
+    loss_cfg = cfg.loss_config()
     if command == "train":
         check_output_dir(cfg)
         shard_size_bytes(cfg.max_shard_size)  # --export-on-end's, refused before any work
     if command == "eval":
         check_evaluation_models(cfg)
     if command != "check":  # check reports packing alone for a backend that cannot share prefixes
-        check_prefix_sharing(cfg, attn, layout)
+        cfg = settle_prefix_sharing(cfg, attn, layout, device_type)
     tokenizer, rows = tokenizer_and_rows(cfg)
     hf_config = check_models(cfg, layout, attn, len(tokenizer))
     check_lora_settings(cfg, hf_config)
@@ -213,7 +243,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
                      schedule)
     if command == "train":
         setup.resume = check_resume(cfg, prepared.fingerprint, layout)
-        if setup.resume is not None and setup.resume.universal:
+        if setup.resume is not None and setup.resume.universal and not dry_run:
             if layout.rank == 0:  # once, before any process group: the other ranks wait for rank 0 to start it
                 ensure_universal(setup.resume.tag_dir, setup.resume.global_step)
             setup.ds_config = with_universal_loading(setup.ds_config)
@@ -307,7 +337,7 @@ class Run:
 def start(setup: RunSetup) -> Run:
     """Phase two: process group, sequence-parallel groups and attention, engines, packing guard."""
     cfg, layout = setup.cfg, setup.layout
-    init_process_group(layout, cfg.collective_timeout_s)
+    init_process_group(layout, cfg.collective_timeout_s, quiet=not cfg.verbose)
     sequence_parallel = mpu = None
     if layout.sp_size > 1:
         sequence_parallel, mpu = init_sequence_parallel(layout, setup.attn, setup.pad_token_id)

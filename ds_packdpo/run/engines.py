@@ -3,15 +3,13 @@
 ds_packdpo plans every optimizer step itself (a variable number of packed rows
 per rank), so the DeepSpeed batch settings are pinned to one row per forward
 and one "accumulation step": the trainer marks the accumulation boundary and
-scales the loss explicitly.  A DeepSpeed config that asks for something else is
-refused here, before any process group starts, instead of silently changing
-the effective batch.
+scales the loss explicitly.  The batch keys a user's config writes count pairs
+and became the run's settings in phase one (run/user_values.py).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from importlib import resources
 from pathlib import Path
 
@@ -23,15 +21,14 @@ from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
 from pydantic import ValidationError
 from transformers.integrations import HfDeepSpeedConfig
 
-from ..config import TrainConfig
+from ..config import TrainConfig, read_mapping
 from ..errors import InputError, first_line
 from ..model.build import TORCH_DTYPES, build_model, load_model_config, load_pretrained_config
 from ..model.lora import LoraSettings, add_adapters
 from ..model.param_groups import weight_decay_groups
-from .schedule import DEEPSPEED_SCHEDULERS, Schedule, start_schedule
+from .schedule import Schedule, start_schedule
+from .user_values import monitor_sections, optimizer_section
 
-# Keys ds_packdpo owns: each must be "auto" (or the one value the run implies).
-_PINNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # DeepSpeed's monitor sections: the trainer reports through the policy engine's monitor only.
 _MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
 # The config section each of DeepSpeed's pydantic models reads, to name the key in an error.
@@ -50,39 +47,18 @@ def builtin_ds_configs() -> list[str]:
 
 
 def load_ds_config(name_or_path: str) -> tuple[dict, str]:
-    """Reads a DeepSpeed JSON config by built-in name (zero3, ...) or path; returns (config, path)."""
+    """Reads a DeepSpeed config by built-in name (zero3, ...) or path (JSON, or YAML by its suffix); returns (config,
+    path)."""
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
         path = BUILTIN_DS_CONFIGS / f"{name_or_path}.json"
     if not path.is_file():
         raise InputError(f"--ds-config {name_or_path}: no such file (built-in names: {', '.join(builtin_ds_configs())})")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"--ds-config {path}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise InputError(f"--ds-config {path}: expected a JSON object, got {type(raw).__name__}")
-    return raw, str(path)
+    return read_mapping(str(path), "--ds-config"), str(path)
 
 
 def zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
-
-
-def _check_pinned(raw: dict, source: str, dp_world_size: int) -> None:
-    for key in _PINNED_BATCH_KEYS:
-        if key in raw and raw[key] not in ("auto", 1):
-            raise InputError(
-                f"--ds-config {source}: '{key}': {raw[key]!r} contradicts the run: ds_packdpo plans each step's rows "
-                f"itself (--global-batch-pairs / --tokens-per-step); set it to \"auto\""
-            )
-    if "train_batch_size" in raw and raw["train_batch_size"] not in ("auto", dp_world_size):
-        raise InputError(
-            f"--ds-config {source}: 'train_batch_size': {raw['train_batch_size']!r} contradicts the run "
-            f"({dp_world_size} data-parallel ranks x 1 row per forward); set it to \"auto\" and use --global-batch-pairs"
-        )
-    if raw.get("fp16", {}).get("enabled") is True:
-        raise InputError(f"--ds-config {source}: fp16 is not supported (use --dtype bf16 or fp32)")
 
 
 def _replace_auto(node, values: dict, path: str, source: str):
@@ -100,48 +76,47 @@ def _replace_auto(node, values: dict, path: str, source: str):
 
 
 def _scheduler_section(given, schedule: Schedule, source: str):
-    """The run's "scheduler" section (``schedule``'s), checked against the one the config gives: absent, "auto", or
-    the same type with every parameter "auto" or equal to the run's."""
-    ours = schedule.deepspeed_section()
-    if given is None or given == "auto":
-        return ours
-    contradiction = (f"contradicts --lr-scheduler {schedule.kind} ({ours['type'] if ours else 'no scheduler'}, "
-                     f"filled from --lr, --warmup-steps/--warmup-ratio, --min-lr-ratio and the plan); set it to "
-                     f"\"auto\" or remove the scheduler section")
-    if not isinstance(given, dict):
-        raise InputError(f"--ds-config {source}: 'scheduler': {given!r} {contradiction}")
-    kind = given.get("type", "auto")
-    if ours is None:  # a constant LR without warm-up: no scheduler, the optimizer's lr throughout
-        if kind not in ("auto", DEEPSPEED_SCHEDULERS["constant"]):
-            raise InputError(f"--ds-config {source}: 'scheduler.type': {kind!r} {contradiction}")
-        return None
-    if kind not in ("auto", ours["type"]):
-        raise InputError(f"--ds-config {source}: 'scheduler.type': {kind!r} {contradiction}")
-    params = given.get("params", "auto")
-    if params != "auto":
-        if not isinstance(params, dict):
-            raise InputError(f"--ds-config {source}: 'scheduler.params': {params!r} {contradiction}")
-        for key, value in params.items():
-            if value != "auto" and ours["params"].get(key, object()) != value:
-                raise InputError(f"--ds-config {source}: 'scheduler.params.{key}': {value!r} {contradiction}")
-    return ours
+    """The run's "scheduler" section (``schedule``'s); the config's own was turned into settings in phase one
+    (run/user_values.py), which leaves it absent or "auto" (the built-in configs': type and params "auto")."""
+    if given not in (None, "auto", {"type": "auto", "params": "auto"}):
+        raise ValueError(f"--ds-config {source}: the scheduler section {given!r} was not taken into the settings")
+    return schedule.deepspeed_section()
+
+
+def _optimizer_section(raw: dict, cfg: TrainConfig) -> dict:
+    """The config's optimizer with what it leaves out filled from the settings (its type, lr, weight decay, and
+    betas and eps for Adam/AdamW), or the settings' optimizer when it has none."""
+    optimizer = raw.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return optimizer_section(cfg)
+    ours = optimizer_section(cfg)
+    params = optimizer.setdefault("params", {})
+    if isinstance(params, dict):
+        for key in set(params) - set(ours["params"]):
+            if key in ("betas", "eps") and params[key] == "auto":
+                del params[key]  # the built-in configs' Adam keys under another --optimizer
+        for key, value in ours["params"].items():
+            params.setdefault(key, value)
+    optimizer.setdefault("type", "auto")
+    return optimizer
 
 
 def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int, hidden_size: int,
                    device_type: str, schedule: Schedule) -> dict:
-    """The run's DeepSpeed config: "auto" values filled from the run settings, batch keys checked, the scheduler
-    section that runs ``schedule``."""
-    _check_pinned(raw, source, dp_world_size)
+    """The run's DeepSpeed config: "auto" values filled from the run settings (which hold the values the config
+    wrote, run/user_values.py), the batch keys pinned to one planned row per forward, the scheduler section that runs
+    ``schedule``."""
     bf16 = cfg.dtype == "bf16"
-    if raw.get("bf16", {}).get("enabled") not in (None, "auto", bf16):
-        raise InputError(f"--ds-config {source}: bf16.enabled={raw['bf16']['enabled']} contradicts --dtype {cfg.dtype}")
     values = {
         "train_batch_size": dp_world_size,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.max_grad_norm,
         "bf16.enabled": bf16,
+        "optimizer.type": cfg.optimizer,
         "lr": cfg.lr,
+        "betas": [cfg.adam_beta1, cfg.adam_beta2],
+        "eps": cfg.adam_epsilon,
         "weight_decay": cfg.weight_decay,
         "reduce_bucket_size": hidden_size * hidden_size,
         "allgather_bucket_size": max(hidden_size * hidden_size, 1_000_000),
@@ -151,13 +126,15 @@ def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int,
     }
     raw = copy.deepcopy(raw)
     scheduler = _scheduler_section(raw.pop("scheduler", None), schedule, source)
+    raw["optimizer"] = _optimizer_section(raw, cfg)
     ds = _replace_auto(raw, values, "", source)
     if scheduler is not None:
         ds["scheduler"] = scheduler
     for key, value in (("train_batch_size", dp_world_size), ("train_micro_batch_size_per_gpu", 1),
-                       ("gradient_accumulation_steps", 1)):
-        ds.setdefault(key, value)
+                       ("gradient_accumulation_steps", 1), ("gradient_clipping", cfg.max_grad_norm)):
+        ds.setdefault(key, value)  # what the config leaves out runs as the settings say
     ds.setdefault("bf16", {"enabled": bf16})
+    monitor_sections(cfg, ds)
     if cfg.sequence_parallel_size > 1:
         if zero_stage(ds) == 3 and ds["zero_optimization"].get("reduce_scatter") is False:
             # Without reduce-scatter ZeRO-3 averages some gradient buckets over W/S ranks and others over W.

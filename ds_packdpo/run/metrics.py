@@ -29,6 +29,15 @@ def add_sums(sums: dict, row_sums: dict, weight: float) -> None:
         sums[key] = sums.get(key, 0.0) + value.detach().double() * weight
 
 
+def step_figures(record: dict) -> str:
+    """A step's main figures in a few words (the --no-progress line)."""
+    figures = (f"loss {record['loss']:.4f}, acc {record['rewards/accuracies']:.2f}, lr {record['learning_rate']:.3g}, "
+               f"grad norm {record['grad_norm']:.3g}, {record['tokens_per_s']:.0f} tokens/s")
+    if "eval_loss" in record:
+        figures += f", eval loss {record['eval_loss']:.4f}"
+    return figures
+
+
 def sum_over_ranks(sums: dict, device) -> dict[str, float]:
     """The sums of every rank, in one all-reduce for all keys (every rank passes the same keys)."""
     keys = sorted(sums)
@@ -44,6 +53,9 @@ class MetricsWriter:
         self.enabled = run.setup.layout.rank == 0
         self.file = None
         self.eval_figures: dict[str, str] = {}  # the latest evaluation's, shown on the bar until the next one
+        self.total_steps = total_steps
+        self.line_every = None if cfg.progress else cfg.logging_steps  # --no-progress: a line every N steps
+        self.metrics_path = cfg.resolved_metrics_out
         self.bar = tqdm(total=total_steps, initial=min(done_steps, total_steps), desc="dpo", unit="step",
                         dynamic_ncols=True, disable=not (self.enabled and cfg.progress))
         if not self.enabled:
@@ -71,6 +83,20 @@ class MetricsWriter:
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
                              tok_s=f"{record['tokens_per_s']:.0f}", **self.eval_figures, refresh=False)
         self.bar.update(1)
+        step = record["step"]
+        if self.line_every and (step % self.line_every == 0 or step == self.total_steps):
+            print(f"step {step}/{self.total_steps}: {step_figures(record)}", flush=True)
+
+    def finish(self, history: list[dict]) -> None:
+        """The run's last line: its steps, how the loss went, its throughput and where the metrics are."""
+        if not self.enabled or not history:
+            return
+        self.bar.close()
+        seconds = sum(r["step_time_s"] for r in history)
+        tokens = sum(r["tokens"] for r in history)
+        print(f"done: {len(history)} steps (to step {history[-1]['step']}) in {seconds:.1f} s, loss "
+              f"{history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, {tokens / seconds:.0f} tokens/s; metrics in "
+              f"{self.metrics_path}", flush=True)
 
     def _monitor(self, record: dict) -> None:
         """Hands the step's figures to DeepSpeed's monitors as ``Train/<name>``.

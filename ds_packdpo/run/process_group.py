@@ -8,7 +8,9 @@ that error into one line naming what to do (exit code 5).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
+import io
 import json
 import os
 import sys
@@ -30,9 +32,9 @@ RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RAN
 SHM_DIR = Path("/dev/shm")
 
 
-def init_process_group(layout: ParallelLayout, collective_timeout_s: float) -> None:
+def init_process_group(layout: ParallelLayout, collective_timeout_s: float, quiet: bool = False) -> None:
     """Starts the process group once per process (a bench measures several configurations in one) and checks
-    that it is the job ``layout`` was made for."""
+    that it is the job ``layout`` was made for; ``quiet``: without DeepSpeed's line on its CPU comm op's build."""
     if not dist.is_initialized():
         if not faulthandler.is_enabled() and sys.__stderr__ is not None:
             # A rank that dies of a fatal signal (a C++ abort or segfault in a library) prints every thread's Python
@@ -52,8 +54,9 @@ def init_process_group(layout: ParallelLayout, collective_timeout_s: float) -> N
                                          verbose=False)
             if master_addr:
                 os.environ["MASTER_ADDR"] = master_addr
-        deepspeed.init_distributed(timeout=timedelta(seconds=collective_timeout_s), auto_mpi_discovery=True,
-                                   verbose=False)
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            deepspeed.init_distributed(timeout=timedelta(seconds=collective_timeout_s), auto_mpi_discovery=True,
+                                       verbose=False)
         release_shm_buffer()
     layout.check_process_group(dist.get_rank(), dist.get_world_size())
 

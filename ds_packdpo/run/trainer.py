@@ -110,6 +110,22 @@ class DPOTrainer:
         return metrics
 
 
+def engine_settings(engine) -> dict:
+    """The settings read back from the engine that runs them (the first record of a run reports them, to be compared
+    with run_config.json): its precision, the optimizer's class, the decayed group's weight decay (biases, norms and
+    embeddings get none), Adam's betas and eps, DeepSpeed's gradient clipping."""
+    groups = engine.optimizer.param_groups
+    settings = {"dtype": "bf16" if engine.bfloat16_enabled() else "fp32",
+                "optimizer": type(engine.basic_optimizer).__name__,
+                "weight_decay": max(group.get("weight_decay", 0.0) for group in groups),
+                "max_grad_norm": float(engine.gradient_clipping())}
+    if "betas" in groups[0]:
+        settings["adam_betas"] = [float(beta) for beta in groups[0]["betas"]]
+    if "eps" in groups[0]:
+        settings["adam_epsilon"] = float(groups[0]["eps"])
+    return settings
+
+
 def plan_summary(setup: RunSetup) -> dict:
     """What the run will do, known before its first step: its pairs, steps, forwards per rank, lock-step utilization,
     held-out pairs and LR schedule (the first line a run prints, and OUTPUT_DIR/plan_summary.json)."""
@@ -207,6 +223,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
                 record.update(meter.figures(meter.step_flops(plan), seconds))
             if setup.held_out is not None and evaluation_due(cfg, global_step, last=global_step >= steps):
                 record.update(evaluate(run))
+            if not history:  # this process's first step: what the engine ran with
+                record.update(engine_settings(run.policy))
             history.append(record)
             if writer.enabled and metrics["skipped"]:
                 logger.warning(f"step {global_step} skipped: non-finite loss or gradient "
@@ -219,6 +237,7 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
                 checkpointer.save(run.policy, global_step, *position, bad_steps)
         if cfg.export_on_end and checkpointer.saved_step != global_step:  # the checkpoint the export reads
             checkpointer.save(run.policy, global_step, *position, bad_steps)
+        writer.finish(history)
     except RuntimeError as error:
         if isinstance(error, RunAbortedError) or not is_collective_failure(error):
             raise

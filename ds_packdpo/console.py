@@ -1,0 +1,35 @@
+"""A quiet console: a run shows its plan, its progress, its last line and errors.
+
+Libraries' FutureWarnings (torch.distributed's deprecations, once per rank and
+collective), DeepSpeed's INFO lines that repeat the whole command and its warnings
+(e.g. "Attempting to get learning rate from scheduler before it has started", which the
+engine's own start-up triggers) are filtered unless ``--verbose``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """This process's share: FutureWarnings ignored, DeepSpeed's logger at ERROR (``verbose``: as the libraries
+    set them)."""
+    if verbose:
+        return
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def launcher_options(verbose: bool) -> list[str]:
+    """The deepspeed launcher's own logging: its INFO lines print the whole command of every rank."""
+    return [] if verbose else ["--log_level", "error"]
+
+
+def rank_environment(env: dict, procs: int, device_type: str) -> dict:
+    """The ranks' environment: on CPU each rank gets cores / ranks threads unless OMP_NUM_THREADS is set (torch's
+    default of every core per rank oversubscribes the machine ``procs`` times)."""
+    if device_type == "cpu" and "OMP_NUM_THREADS" not in env:
+        env = {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // procs))}
+    return env

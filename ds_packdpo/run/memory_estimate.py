@@ -1,0 +1,107 @@
+"""A per-GPU memory estimate of a run, from phase one alone (``ds-packdpo train --dry-run``).
+
+Model states come from DeepSpeed's own ZeRO-3 estimator
+(``estimate_zero3_model_states_mem_needs``: 18 bytes per parameter over the ranks in
+mixed precision -- 16-bit weights and gradients, fp32 master weights and Adam moments --
+plus the largest layer gathered), fed with the policy's parameter counts taken from its
+skeleton on the meta device, with the offload the DeepSpeed config asks for.  The frozen
+reference adds its weights' share.  No library estimates a packed row's activations, so
+they are counted here per token and decoder layer from the model config: what autograd
+keeps of a pre-norm decoder layer (norm inputs and outputs, q/k/v before and after the
+rotary embedding, the attention output, the MLP's gate, up, activation and product),
+at the row budget, plus the gradients of one layer's activations while backward runs it;
+with activation checkpointing each layer keeps only its input, and one layer's
+activations exist again while it is recomputed.  The log-prob chunk is the
+fp32 logits of --logps-chunk-tokens tokens (the whole row with --logps-impl plain), kept
+with their log-softmax and gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from transformers import AutoModelForCausalLM
+
+from .assemble import RunSetup, model_config, reference_model_config
+from .engines import zero_stage
+
+GIB = 2**30
+
+
+def parameter_counts(hf_config, trust_remote_code: bool = False) -> tuple[int, int]:
+    """(total parameters, the largest module's own parameters) of a model, built on the meta device (no memory);
+    shared weights are counted once, as DeepSpeed's ``model_to_params`` does."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    total = sum({id(p): p.numel() for p in model.parameters()}.values())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return total, largest
+
+
+def layer_activation_elements(hf_config) -> int:
+    """Elements one token keeps for backward in one decoder layer (see the module docstring)."""
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
+    return 4 * hidden + 3 * heads * head_dim + 3 * kv_heads * head_dim + 4 * intermediate
+
+
+def estimate_memory(setup: RunSetup) -> dict:
+    """The per-GPU estimate of ``setup``'s run in bytes: model states, activations with and without activation
+    checkpointing (the run's choice marked), the log-prob chunk, and the totals."""
+    cfg, ds = setup.cfg, setup.ds_config
+    hf_config = model_config(cfg, setup.vocab_size)
+    total, largest = parameter_counts(hf_config, cfg.trust_remote_code)
+    zero = ds.get("zero_optimization", {})
+    offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    offload_params = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
+    world = setup.layout.world_size
+    if zero_stage(ds) == 3:
+        _, states, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=world,
+                                                             cpu_offload=offload_optimizer,
+                                                             cpu_offload_params=offload_params)
+    else:  # ZeRO 0-2: as stage 3 (the sharded states), plus whole 16-bit weights on every rank
+        _, states, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=world,
+                                                             cpu_offload=offload_optimizer, cpu_offload_params=False)
+        states += 2 * total
+    element = 2 if cfg.dtype == "bf16" else 4
+    reference = 0
+    if setup.precomputed is None and cfg.loss != "simpo" and not (cfg.lora_r and cfg.ref_model is None):
+        ref_total = total if cfg.ref_model is None else parameter_counts(reference_model_config(
+            cfg, setup.vocab_size), cfg.trust_remote_code)[0]
+        reference = 0 if cfg.ref_offload else ref_total * element // (world if zero_stage(ds) == 3 else 1)
+    tokens = cfg.row_budget
+    layers = hf_config.num_hidden_layers
+    per_layer = tokens * layer_activation_elements(hf_config) * element
+    # backward holds the gradients of one layer's activations as it runs; a recomputed layer's own come on top
+    activations = {"full": (layers + 1) * per_layer + 2 * tokens * hf_config.hidden_size * element,
+                   "checkpointed": layers * tokens * hf_config.hidden_size * element + 2 * per_layer}
+    chunk_tokens = tokens if cfg.logps_impl == "plain" else min(cfg.logps_chunk_tokens, tokens)
+    logps_chunk = 3 * chunk_tokens * hf_config.vocab_size * 4
+    kept = "checkpointed" if cfg.gradient_checkpointing else "full"
+    return {"parameters": total, "largest_layer_parameters": largest, "world_size": world,
+            "row_tokens": tokens, "model_states": int(states), "reference_weights": int(reference),
+            "activations": activations, "activation_checkpointing": cfg.gradient_checkpointing,
+            "logps_chunk": logps_chunk,
+            "total": int(states + reference + activations[kept] + logps_chunk),
+            "total_other_checkpointing": int(states + reference + activations["full" if kept != "full"
+                                                                              else "checkpointed"] + logps_chunk)}
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def describe_estimate(estimate: dict) -> str:
+    """The estimate in one line, per GPU."""
+    acts = estimate["activations"]
+    on = estimate["activation_checkpointing"]
+    return (f"memory per GPU (estimate): {_size(estimate['total'])} = model states {_size(estimate['model_states'])} "
+            f"(ZeRO-3 estimator, {estimate['parameters']:,} parameters over {estimate['world_size']} ranks) + "
+            f"reference "
+            f"{_size(estimate['reference_weights'])} + activations {_size(acts['checkpointed' if on else 'full'])} "
+            f"({estimate['row_tokens']} tokens a row, {'with' if on else 'without'} activation checkpointing) + "
+            f"log-prob chunk {_size(estimate['logps_chunk'])}; {'without' if on else 'with'} activation checkpointing "
+            f"{_size(estimate['total_other_checkpointing'])}")

@@ -1,0 +1,79 @@
+"""A quiet console (ds_packdpo/console.py): a run shows its plan, its progress, its last line and errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import warnings
+
+import pytest
+
+from ds_packdpo import cli
+from ds_packdpo.console import quiet_libraries
+
+from launching import BIN, SMALL_RUN, read_metrics, run
+
+NOISE = ("FutureWarning", "[INFO]", "[WARNING]", "Attempting to get learning rate", "built successfully",
+         "spawned with command", "return func(")
+
+
+@pytest.mark.multirank
+def test_a_run_prints_its_plan_progress_and_last_line_only(tmp_path):
+    """``ds-packdpo train`` (2 CPU ranks through the deepspeed launcher) with --no-progress: the plan, the
+    trainable-parameter line, a line every --logging-steps steps (and the last), the final summary; none of the
+    libraries' noise."""
+    out = tmp_path / "run"
+    proc = run([str(BIN / "ds-packdpo"), "train", *SMALL_RUN, "--logging-steps", "2", "--output-dir", str(out),
+                "--cache-dir", str(tmp_path / "cache")])
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("tokenize pairs")]  # the front's tokenization bar
+    assert not [line for line in lines if any(noise in line for noise in NOISE)], lines
+    records = read_metrics(out / "metrics.jsonl")
+    assert [line.split(":")[0] for line in lines] == ["plan", "trainable parameters", "step 2/3", "step 3/3", "done"]
+    assert lines[-2].startswith(f"step 3/3: loss {records[2]['loss']:.4f}, acc ")
+    assert lines[-1].startswith(f"done: 3 steps (to step 3) in ") and f"loss {records[0]['loss']:.4f} -> " \
+        f"{records[2]['loss']:.4f}" in lines[-1] and lines[-1].endswith(f"metrics in {out / 'metrics.jsonl'}")
+
+
+def test_the_launch_is_quiet_and_shares_the_cores(monkeypatch):
+    """The deepspeed launcher logs errors only, unless --verbose; on CPU each rank gets cores / ranks threads unless
+    OMP_NUM_THREADS is set."""
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    for key in cli.LAUNCHED_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cli.main(["train", "--max-steps", "1", "--num-procs", "2"]) == 0
+    cmd, env = calls[-1]
+    assert cmd[1:3] == ["--log_level", "error"]
+    assert env["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 2))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cli.main(["train", "--max-steps", "1", "--num-procs", "2", "--verbose"]) == 0
+    cmd, env = calls[-1]
+    assert "--log_level" not in cmd and env["OMP_NUM_THREADS"] == "3"
+
+
+def test_verbose_keeps_the_libraries_output():
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    level = deepspeed_logger.level
+    with warnings.catch_warnings():
+        try:
+            quiet_libraries(verbose=True)
+            assert deepspeed_logger.level == level
+            with pytest.warns(FutureWarning):
+                warnings.warn("kept", FutureWarning)
+            quiet_libraries(verbose=False)
+            assert deepspeed_logger.level == logging.ERROR
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.warn("dropped", FutureWarning)
+            assert not seen
+        finally:
+            deepspeed_logger.setLevel(level)
+
+
+def test_version(capsys):
+    from ds_packdpo import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"ds-packdpo {__version__}\n"

@@ -1,0 +1,69 @@
+"""``ds-packdpo train --dry-run``: phase one, the plan line and a per-GPU memory estimate; nothing starts, nothing is
+written (run/memory_estimate.py).  How the estimate compares with a measured peak: scripts/memory_estimate_check.py
+(figures in the README)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ds_packdpo import cli
+from ds_packdpo.config import parse_train_args
+from ds_packdpo.model.build import build_model
+from ds_packdpo.run.assemble import prepare
+from ds_packdpo.run.memory_estimate import estimate_memory, layer_activation_elements, parameter_counts
+
+from test_bad_input import assert_one_line_error
+
+
+def test_dry_run_prints_the_plan_and_the_estimate_and_starts_nothing(tmp_path, no_launch, capsys):
+    out = tmp_path / "run"
+    flags = ["train", "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--synthetic-pairs", "48",
+             "--global-batch-pairs", "12", "--max-length", "96", "--num-procs", "2"]
+    assert cli.main([*flags, "--dry-run"]) == 0  # the first call tokenizes (the cache a real run would fill)
+    capsys.readouterr()
+    began = time.perf_counter()
+    assert cli.main([*flags, "--dry-run", "--gradient-checkpointing"]) == 0
+    seconds = time.perf_counter() - began
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("plan: 48 pairs in 4 steps (48 training pairs), 1 row per rank on 2 ranks")
+    assert lines[1].startswith("memory per GPU (estimate): ") and "with activation checkpointing)" in lines[1]
+    assert "254,272 parameters over 2 ranks" in lines[1] and "; without activation checkpointing " in lines[1]
+    assert seconds < 10, seconds
+    assert not out.exists() and not dist.is_initialized()
+    # bad input is still one line, before anything
+    assert cli.main([*flags, "--dry-run", "--lr", "-1"]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, "--lr and --beta must be > 0")
+
+
+def test_estimate_parts(tmp_path):
+    """The parameter counts are the model's own (built on the meta device); the parts move with the settings they
+    depend on."""
+    def estimate(*flags):
+        cfg = parse_train_args(["--output-dir", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "cache"),
+                                "--synthetic-pairs", "16", "--max-length", "64", *flags])
+        return estimate_memory(prepare(cfg, "train", world_size=2))
+
+    base = estimate()
+    setup_vocab = prepare(parse_train_args(["--output-dir", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "cache"),
+                                            "--synthetic-pairs", "16", "--max-length", "64"]), world_size=1).vocab_size
+    model = build_model(None, "tiny", setup_vocab, None, "sdpa", seed=0)
+    assert base["parameters"] == sum(p.numel() for p in model.parameters())
+    assert parameter_counts(model.config)[1] == max(sum(p.numel() for p in m.parameters(recurse=False))
+                                                    for m in model.modules())
+    acts = base["activations"]
+    assert acts["checkpointed"] < acts["full"]
+    assert acts["full"] == ((model.config.num_hidden_layers + 1) * base["row_tokens"]
+                            * layer_activation_elements(model.config) * 4 + 2 * base["row_tokens"] * 64 * 4)
+    assert base["logps_chunk"] == 3 * min(1024, base["row_tokens"]) * setup_vocab * 4
+    assert estimate("--logps-chunk-tokens", "16")["logps_chunk"] == 3 * 16 * setup_vocab * 4
+    checkpointed = estimate("--gradient-checkpointing")
+    assert checkpointed["total"] == base["total_other_checkpointing"] < base["total"]
+    assert estimate("--max-tokens-per-row", "512")["activations"]["full"] == pytest.approx(
+        acts["full"] * 512 / base["row_tokens"])
+    assert estimate("--dtype", "bf16")["activations"]["full"] == acts["full"] // 2
+    assert estimate("--ref-offload")["reference_weights"] == 0 < base["reference_weights"]
+    assert estimate("--loss", "simpo")["reference_weights"] == 0
