@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data.plan import PlanConfig
-from .data.prepare import DataConfig
+from .data.multi_response import PAIRS_FROM
+from .data.prepare import FORMATS, DataConfig
 from .errors import InputError
 from .hub import check_bare_name, check_model_source, is_hub_id
 
@@ -73,8 +74,11 @@ class TrainConfig:
     dataset: str | None = _opt("Preference data: a .json/.jsonl/.parquet/.arrow file, a save_to_disk folder or a hub name. "
                                "Default: the embedded synthetic dataset.")
     synthetic_pairs: int = _opt("Number of pairs of the embedded synthetic dataset.", 1024)
-    format: str = _opt("Dataset format (auto-detected by default).", "auto",
-                       ("auto", "standard", "conversational", "implicit", "sharegpt"))
+    format: str = _opt("Dataset format (auto-detected by default); completions, scored and ranked hold several "
+                       "responses per prompt.", "auto", FORMATS)
+    pairs_from: str = _opt("Pairs of a row with several scored or ranked responses: the best against the worst, the "
+                           "best against each other one, or all (every two with different scores); ties are dropped "
+                           "and counted.", "best-vs-worst", PAIRS_FROM)
     split: str = _opt("Dataset split.", "train")
     prompt_column: str = _opt("Column holding the prompt.", "prompt")
     chosen_column: str = _opt("Column holding the chosen completion.", "chosen")

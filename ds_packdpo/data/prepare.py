@@ -37,12 +37,12 @@ import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..files import atomic_write
+from .multi_response import MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, columns_for, detect_layout, pairs_from_groups
+from .rows import BadRow, completion_messages, field_value, kind_of, message_list, text_value
 
-FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt")
-CONVERSATIONAL_FORMATS = ("conversational", "implicit", "sharegpt")
+FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt", *MULTI_RESPONSE_FORMATS)
 ON_BAD_ROW = ("error", "skip")
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
-CHAT_ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 SHAREGPT_SPELLING = {chat: source for source, chat in SHAREGPT_ROLES.items()}  # errors name roles as the file does
 # Part of every fingerprint: bump it when tokenization or truncation rules change,
@@ -67,11 +67,14 @@ class DataConfig:
     on_bad_row: str = "error"       # "error" | "skip"
     num_proc: int = 1
     cache_dir: str | None = None
-    max_pairs: int | None = None    # keep only the first N valid rows (handy for tests/bench)
+    max_pairs: int | None = None    # keep only the first N valid pairs (handy for tests/bench)
+    pairs_from: str = "best-vs-worst"  # pairs of a row with several responses (multi_response.PAIRS_FROM)
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise InputError(f"format '{self.format}' is not one of {', '.join(FORMATS)}")
+        if self.pairs_from not in PAIRS_FROM:
+            raise InputError(f"pairs_from '{self.pairs_from}' is not one of {', '.join(PAIRS_FROM)}")
         if self.on_bad_row not in ON_BAD_ROW:
             raise InputError(f"on_bad_row '{self.on_bad_row}' is not one of {', '.join(ON_BAD_ROW)}")
         for key in ("max_length", "num_proc", "max_prompt_length", "max_pairs"):
@@ -98,28 +101,15 @@ class PreparedPairs:
     rejected_lengths: np.ndarray    # int64 [N]: len(prompt_ids) + len(rejected_ids)
     # JSON-able: dataset, format, rows (raw), kept, dropped {reason: n} (bad rows in skip mode and pairs
     # dropped by truncation), beyond_max_pairs, identical_chosen_rejected, prompt_truncated and
-    # completion_truncated (kept pairs), template_prefix_mismatch (sequences), tokens {length statistics}
+    # completion_truncated (kept pairs), template_prefix_mismatch (sequences), tokens {length statistics},
+    # multi_response {groups, responses_per_group, pairs_made, ties_dropped...} for rows with several responses
     summary: dict
     fingerprint: str                # (content, tokenizer, settings); keys caches and precomputed reference log-probs
     prompt_lengths: np.ndarray      # int64 [N]: len(prompt_ids) (what prefix sharing computes once per pair)
 
 
-class _BadRow(Exception):
-    """One row's problem: ``reason`` is the counter key of skip mode, ``detail`` the human message."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
-
-
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _kind(value) -> str:
-    """JSON-ish name of a value's type, for messages."""
-    names = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", int: "a number", float: "a number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -179,7 +169,7 @@ def _json_array_rows(text: str, start: int, label: str) -> list:
 
 
 def _json_lines_rows(text: str) -> list[tuple[str, object]]:
-    """(location, value) per non-blank line; an unreadable line becomes a _BadRow value."""
+    """(location, value) per non-blank line; an unreadable line becomes a BadRow value."""
     records = []
     for line_no, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -188,7 +178,7 @@ def _json_lines_rows(text: str) -> list[tuple[str, object]]:
         try:
             records.append((where, json.loads(line)))
         except json.JSONDecodeError as exc:
-            problem = _BadRow("unreadable_json_line", f"not valid JSON ({exc.msg}: column {exc.colno})")
+            problem = BadRow("unreadable_json_line", f"not valid JSON ({exc.msg}: column {exc.colno})")
             records.append((where, problem))
     return records
 
@@ -249,6 +239,8 @@ def _load_records(cfg: DataConfig) -> list[tuple[str, object]]:
 
 # ----------------------------------------------------------------------------- formats
 def _columns_for(cfg: DataConfig, fmt: str) -> list[str]:
+    if fmt in MULTI_RESPONSE_FORMATS:
+        return columns_for(cfg.prompt_column, fmt)
     if fmt == "sharegpt":
         return [cfg.conversations_column, cfg.chosen_column, cfg.rejected_column]
     if fmt == "implicit":
@@ -277,62 +269,15 @@ def _detect_format(cfg: DataConfig, rows: list[dict], label: str) -> str:
             return "conversational" if isinstance(_first_value(rows, cfg.prompt_column), list) else "standard"
         if isinstance(_first_value(rows, cfg.chosen_column), list):
             return "implicit"
+    multi = detect_layout(columns, cfg.prompt_column, label)
+    if multi is not None:
+        return multi
     raise InputError(
         f"{label}: columns found {sorted(columns)}; expected {_columns_for(cfg, 'standard')} (standard or "
-        f"conversational), {_columns_for(cfg, 'sharegpt')} (sharegpt) or message lists {_columns_for(cfg, 'implicit')} "
-        "(implicit); set the column names or the format"
+        f"conversational), {_columns_for(cfg, 'sharegpt')} (sharegpt), message lists {_columns_for(cfg, 'implicit')} "
+        f"(implicit), or several responses per prompt {_columns_for(cfg, 'completions')} or "
+        f"{_columns_for(cfg, 'scored')} (scored); set the column names or the format"
     )
-
-
-def _field(row: dict, key: str):
-    if key not in row:
-        raise _BadRow("missing_field", f"field '{key}' is missing")
-    if row[key] is None:
-        raise _BadRow("null_field", f"field '{key}' is null")
-    return row[key]
-
-
-def _text(row: dict, key: str, completion: bool) -> str:
-    value = _field(row, key)
-    if not isinstance(value, str):
-        raise _BadRow("non_string_field", f"field '{key}' must be a string, got {_kind(value)}")
-    if completion and not value.strip():
-        raise _BadRow("empty_completion", f"field '{key}' is an empty completion")
-    return value
-
-
-def _messages(value, key: str, role_key="role", content_key="content", roles=None) -> list[dict]:
-    """A message list normalized to [{role, content}]; ``roles`` maps source role names to chat roles."""
-    roles = roles or {role: role for role in CHAT_ROLES}
-    if not isinstance(value, list) or not value:
-        got = "no messages" if isinstance(value, list) else _kind(value)
-        raise _BadRow("malformed_messages", f"field '{key}' must be a non-empty list of messages, got {got}")
-    messages = []
-    for j, message in enumerate(value):
-        if not isinstance(message, dict) or message.get(role_key) is None or message.get(content_key) is None:
-            raise _BadRow(
-                "malformed_messages",
-                f"{key}[{j}] must be an object with '{role_key}' and '{content_key}', got {json.dumps(message)[:80]}",
-            )
-        role, content = message[role_key], message[content_key]
-        if not isinstance(content, str):
-            raise _BadRow("non_string_field", f"{key}[{j}].{content_key} must be a string, got {_kind(content)}")
-        if role not in roles:
-            raise _BadRow("unknown_role", f"{key}[{j}] has unknown role {role!r}; expected one of {', '.join(roles)}")
-        messages.append({"role": roles[role], "content": content})
-    return messages
-
-
-def _completion(messages: list[dict], key: str, spelling: dict | None = None) -> list[dict]:
-    """``messages`` as a completion (assistant turns only); ``spelling`` maps chat roles back to the file's names."""
-    for j, message in enumerate(messages):
-        if message["role"] != "assistant":
-            role = (spelling or {}).get(message["role"], message["role"])
-            detail = f"{key}[{j}] has role '{role}'; a completion is assistant messages"
-            raise _BadRow("completion_not_assistant", detail)
-    if not "".join(m["content"] for m in messages).strip():
-        raise _BadRow("empty_completion", f"field '{key}' is an empty completion")
-    return messages
 
 
 def _split_implicit(chosen: list[dict], rejected: list[dict], cfg: DataConfig) -> tuple[list, list, list]:
@@ -343,66 +288,77 @@ def _split_implicit(chosen: list[dict], rejected: list[dict], cfg: DataConfig) -
     while common > 0 and chosen[common - 1]["role"] == "assistant":
         common -= 1
     if common == 0:
-        raise _BadRow("no_common_prompt", "chosen and rejected share no leading non-assistant message: no prompt")
+        raise BadRow("no_common_prompt", "chosen and rejected share no leading non-assistant message: no prompt")
     return (
         chosen[:common],
-        _completion(chosen[common:], cfg.chosen_column),
-        _completion(rejected[common:], cfg.rejected_column),
+        completion_messages(chosen[common:], cfg.chosen_column),
+        completion_messages(rejected[common:], cfg.rejected_column),
     )
 
 
 def _normalize_row(row, fmt: str, cfg: DataConfig) -> dict:
-    """{"prompt", "chosen", "rejected"}: strings (standard) or [{role, content}] lists; raises _BadRow."""
-    if isinstance(row, _BadRow):
-        raise row
-    if not isinstance(row, dict):
-        raise _BadRow("not_an_object", f"a row must be an object, got {_kind(row)}")
+    """{"prompt", "chosen", "rejected"}: strings (standard) or [{role, content}] lists; raises BadRow."""
     c_key, r_key = cfg.chosen_column, cfg.rejected_column
     if fmt == "standard":
-        prompt = _text(row, cfg.prompt_column, completion=False)
-        return {"prompt": prompt, "chosen": _text(row, c_key, True), "rejected": _text(row, r_key, True)}
+        prompt = text_value(row, cfg.prompt_column, completion=False)
+        return {"prompt": prompt, "chosen": text_value(row, c_key, True), "rejected": text_value(row, r_key, True)}
     if fmt == "conversational":
         return {
-            "prompt": _messages(_field(row, cfg.prompt_column), cfg.prompt_column),
-            "chosen": _completion(_messages(_field(row, c_key), c_key), c_key),
-            "rejected": _completion(_messages(_field(row, r_key), r_key), r_key),
+            "prompt": message_list(field_value(row, cfg.prompt_column), cfg.prompt_column),
+            "chosen": completion_messages(message_list(field_value(row, c_key), c_key), c_key),
+            "rejected": completion_messages(message_list(field_value(row, r_key), r_key), r_key),
         }
     if fmt == "implicit":
-        chosen = _messages(_field(row, c_key), c_key)
-        rejected = _messages(_field(row, r_key), r_key)
+        chosen = message_list(field_value(row, c_key), c_key)
+        rejected = message_list(field_value(row, r_key), r_key)
         prompt, chosen, rejected = _split_implicit(chosen, rejected, cfg)
         return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     # sharegpt: chosen/rejected are one {from, value} message each
     sharegpt = dict(role_key="from", content_key="value", roles=SHAREGPT_ROLES)
-    prompt = _messages(_field(row, cfg.conversations_column), cfg.conversations_column, **sharegpt)
+    prompt = message_list(field_value(row, cfg.conversations_column), cfg.conversations_column, **sharegpt)
     completions = []
     for key in (c_key, r_key):
-        value = _field(row, key)
+        value = field_value(row, key)
         if not isinstance(value, dict):
-            detail = f"field '{key}' must be one {{from, value}} message, got {_kind(value)}"
-            raise _BadRow("malformed_messages", detail)
-        completions.append(_completion(_messages([value], key, **sharegpt), key, SHAREGPT_SPELLING))
+            detail = f"field '{key}' must be one {{from, value}} message, got {kind_of(value)}"
+            raise BadRow("malformed_messages", detail)
+        completions.append(completion_messages(message_list([value], key, **sharegpt), key, SHAREGPT_SPELLING))
     return {"prompt": prompt, "chosen": completions[0], "rejected": completions[1]}
 
 
-def _validate(records: list[tuple[str, object]], cfg: DataConfig, label: str) -> tuple[str, list[dict], Counter]:
-    """Every row checked before any tokenization; returns (format, normalized rows with pair_id, bad-row counts)."""
+def _validate(records: list[tuple[str, object]], cfg: DataConfig, label: str
+              ) -> tuple[str, list[dict], Counter, dict | None]:
+    """Every row checked before any tokenization; returns (format, normalized pairs with pair_id, bad-row counts, and
+    for rows with several responses the summary of their groups).
+
+    A pair row's pair_id is its row index; the pairs made from groups are numbered in order.
+    """
     if not records:
         raise InputError(f"{label}: the dataset has no rows")
     objects = [value for _, value in records if isinstance(value, dict)]
     # With no object at all, every row fails on its own below, before the format matters.
     fmt = _detect_format(cfg, objects, label) if objects else cfg.format
-    normalized, bad = [], Counter()
-    for pair_id, (where, value) in enumerate(records):
+    grouped = fmt in MULTI_RESPONSE_FORMATS
+    read = GroupLayout.of(fmt, cfg.prompt_column, objects).read if grouped else (
+        lambda row: _normalize_row(row, fmt, cfg))
+    valid, bad = [], Counter()
+    for index, (where, value) in enumerate(records):
         try:
-            normalized.append({"pair_id": pair_id, **_normalize_row(value, fmt, cfg)})
-        except _BadRow as problem:
+            if isinstance(value, BadRow):
+                raise value
+            if not isinstance(value, dict):
+                raise BadRow("not_an_object", f"a row must be an object, got {kind_of(value)}")
+            valid.append((index, read(value)))
+        except BadRow as problem:
             if cfg.on_bad_row == "error":
                 raise InputError(f"{label} {where}: {problem.detail}") from None
             bad[problem.reason] += 1
-    if not normalized:
-        raise InputError(f"{label}: no valid pairs (bad rows: {dict(bad)})")
-    return fmt, normalized, bad
+    if not valid:
+        raise InputError(f"{label}: no valid {'groups' if grouped else 'pairs'} (bad rows: {dict(bad)})")
+    if grouped:
+        pairs, groups = pairs_from_groups([group for _, group in valid], cfg.pairs_from, label)
+        return fmt, pairs, bad, groups
+    return fmt, [{"pair_id": index, **row} for index, row in valid], bad, None
 
 
 # ----------------------------------------------------------------------------- tokenization
@@ -551,16 +507,17 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
         cached = cache_dir / f"pairs-{seen['fingerprint']}.arrow"
         if cached.is_file():
             return _finish(cfg, datasets.Dataset.from_file(str(cached)), seen["fingerprint"], seen["fmt"],
-                           seen["rows"], Counter(seen["bad"]), seen["beyond_max_pairs"], seen["quality"])
+                           seen["rows"], Counter(seen["bad"]), seen["beyond_max_pairs"], seen["quality"],
+                           seen.get("multi_response"))
     label = cfg.dataset
     records = [(f"row {i}", row) for i, row in enumerate(rows)] if rows is not None else _load_records(cfg)
-    fmt, normalized, bad = _validate(records, cfg, label)
+    fmt, normalized, bad, groups = _validate(records, cfg, label)
     beyond_max_pairs = 0
     if cfg.max_pairs is not None and len(normalized) > cfg.max_pairs:
         beyond_max_pairs = len(normalized) - cfg.max_pairs
         normalized = normalized[: cfg.max_pairs]
     quality = _quality_counts(normalized)
-    conversational = fmt in CONVERSATIONAL_FORMATS
+    conversational = isinstance(normalized[0]["prompt"], list)  # every row's prompt is of the first row's kind
     if not conversational and tokenizer.eos_token_id is None:
         raise InputError(f"{label}: standard-format completions end with EOS, but the tokenizer has no eos_token")
     if conversational and not getattr(tokenizer, "chat_template", None):
@@ -594,11 +551,11 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
         new_fingerprint=fingerprint,  # explicit: datasets would otherwise hash the tokenizer with dill
         desc="tokenize pairs",
     )
-    prepared = _finish(cfg, encoded, fingerprint, fmt, len(records), bad, beyond_max_pairs, quality)
+    prepared = _finish(cfg, encoded, fingerprint, fmt, len(records), bad, beyond_max_pairs, quality, groups)
     if index is not None:  # written once the pairs are: a reader never finds an index without its cache
         atomic_write(index, lambda temporary: Path(temporary).write_text(json.dumps(
             {"fingerprint": fingerprint, "fmt": fmt, "rows": len(records), "bad": dict(bad),
-             "beyond_max_pairs": beyond_max_pairs, "quality": quality})))
+             "beyond_max_pairs": beyond_max_pairs, "quality": quality, "multi_response": groups})))
     return prepared
 
 
@@ -623,7 +580,7 @@ _QUALITY_WARNINGS = {
 
 
 def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: str, rows: int, bad: Counter,
-            beyond_max_pairs: int, quality: dict[str, int]) -> PreparedPairs:
+            beyond_max_pairs: int, quality: dict[str, int], groups: dict | None) -> PreparedPairs:
     """Lengths, drops and the summary, from the tokenized table (fresh or from the cache)."""
     label = cfg.dataset
     for key, count in quality.items():
@@ -662,6 +619,8 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
             "total": int(chosen_lengths.sum() + rejected_lengths.sum()),
         },
     }
+    if groups is not None:
+        summary["multi_response"] = groups
     return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint, lengths["prompt"])
 
 
