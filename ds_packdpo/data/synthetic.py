@@ -29,6 +29,7 @@ NEUTRAL_WORDS = 32
 PROMPT_MEDIAN_WORDS, PROMPT_SIGMA, PROMPT_MAX_WORDS = 40, 0.9, 400
 REPLY_MEDIAN_WORDS, REPLY_SIGMA, REPLY_MAX_WORDS = 30, 0.7, 300
 MIN_WORDS = 3
+MIN_RESPONSES, MAX_RESPONSES, SCORE_LEVELS = 2, 8, 5  # responses per prompt of the multi-response rows; scores 1-5
 # Share of prompt words drawn from the topic's good words (the rest are neutral),
 # so the prompt names its topic with the very words a chosen reply should use.
 PROMPT_TOPIC_SHARE = 0.5
@@ -69,14 +70,8 @@ def _sentences(words: np.ndarray, counts: np.ndarray) -> list[str]:
     return [" ".join(chunk) for chunk in np.split(words, bounds)]
 
 
-def synthetic_preference_rows(num_pairs: int = 2048, seed: int = 0) -> list[dict]:
-    """Conversational rows with an explicit prompt; deterministic for ``(num_pairs, seed)``."""
-    rng = np.random.default_rng(seed)
-    topics = rng.integers(0, NUM_TOPICS, size=num_pairs)
-    prompt_counts = _lognormal_counts(rng, num_pairs, PROMPT_MEDIAN_WORDS, PROMPT_SIGMA, PROMPT_MAX_WORDS)
-    chosen_counts = _lognormal_counts(rng, num_pairs, REPLY_MEDIAN_WORDS, REPLY_SIGMA, REPLY_MAX_WORDS)
-    rejected_counts = _lognormal_counts(rng, num_pairs, REPLY_MEDIAN_WORDS, REPLY_SIGMA, REPLY_MAX_WORDS)
-
+def _prompt_texts(rng: np.random.Generator, topics: np.ndarray, prompt_counts: np.ndarray) -> list[str]:
+    """One prompt per topic: its good words (PROMPT_TOPIC_SHARE of them, and always the first) among neutral ones."""
     prompt_topic = np.repeat(topics, prompt_counts)
     from_topic = rng.random(prompt_topic.size) < PROMPT_TOPIC_SHARE
     from_topic[np.cumsum(prompt_counts) - prompt_counts] = True  # every prompt opens with a topic word
@@ -85,12 +80,22 @@ def synthetic_preference_rows(num_pairs: int = 2048, seed: int = 0) -> list[dict
         GOOD_WORDS[prompt_topic, rng.integers(0, WORDS_PER_SET, size=prompt_topic.size)],
         NEUTRAL[rng.integers(0, NEUTRAL.size, size=prompt_topic.size)],
     )
+    return _sentences(prompt_words, prompt_counts)
+
+
+def synthetic_preference_rows(num_pairs: int = 2048, seed: int = 0) -> list[dict]:
+    """Conversational rows with an explicit prompt; deterministic for ``(num_pairs, seed)``."""
+    rng = np.random.default_rng(seed)
+    topics = rng.integers(0, NUM_TOPICS, size=num_pairs)
+    prompt_counts = _lognormal_counts(rng, num_pairs, PROMPT_MEDIAN_WORDS, PROMPT_SIGMA, PROMPT_MAX_WORDS)
+    chosen_counts = _lognormal_counts(rng, num_pairs, REPLY_MEDIAN_WORDS, REPLY_SIGMA, REPLY_MAX_WORDS)
+    rejected_counts = _lognormal_counts(rng, num_pairs, REPLY_MEDIAN_WORDS, REPLY_SIGMA, REPLY_MAX_WORDS)
+    prompts = _prompt_texts(rng, topics, prompt_counts)
     chosen_topic = np.repeat(topics, chosen_counts)
     chosen_words = GOOD_WORDS[chosen_topic, rng.integers(0, WORDS_PER_SET, size=chosen_topic.size)]
     rejected_topic = np.repeat(topics, rejected_counts)
     rejected_words = BAD_WORDS[rejected_topic, rng.integers(0, WORDS_PER_SET, size=rejected_topic.size)]
 
-    prompts = _sentences(prompt_words, prompt_counts)
     chosen = _sentences(chosen_words, chosen_counts)
     rejected = _sentences(rejected_words, rejected_counts)
     return [
@@ -101,6 +106,45 @@ def synthetic_preference_rows(num_pairs: int = 2048, seed: int = 0) -> list[dict
         }
         for prompt, good, bad in zip(prompts, chosen, rejected)
     ]
+
+
+def synthetic_multi_response_rows(num_prompts: int = 256, seed: int = 0, layout: str = "completions",
+                                  conversational: bool = True) -> list[dict]:
+    """Rows of one prompt and 2-8 scored responses, in a multi-response ``layout`` of data/multi_response.py.
+
+    Lengths are the pairs' lognormal ones (heavy-tailed).  A response's score is its level
+    1-5 (ties are common, as in UltraFeedback): a response of level L draws (L - 1) / 4 of
+    its words from the prompt topic's good words and the rest from its bad ones.
+    ``ranked`` lists the responses best first (a stable sort: ties keep their order).
+    Deterministic for the arguments.
+    """
+    rng = np.random.default_rng(seed)
+    topics = rng.integers(0, NUM_TOPICS, size=num_prompts)
+    prompts = _prompt_texts(rng, topics, _lognormal_counts(rng, num_prompts, PROMPT_MEDIAN_WORDS, PROMPT_SIGMA,
+                                                           PROMPT_MAX_WORDS))
+    sizes = rng.integers(MIN_RESPONSES, MAX_RESPONSES + 1, size=num_prompts)
+    levels = rng.integers(1, SCORE_LEVELS + 1, size=int(sizes.sum()))
+    counts = _lognormal_counts(rng, levels.size, REPLY_MEDIAN_WORDS, REPLY_SIGMA, REPLY_MAX_WORDS)
+    word_topic = np.repeat(np.repeat(topics, sizes), counts)
+    good = rng.random(word_topic.size) < np.repeat((levels - 1) / (SCORE_LEVELS - 1), counts)
+    word = rng.integers(0, WORDS_PER_SET, size=word_topic.size)
+    texts = [text + "." for text in _sentences(np.where(good, GOOD_WORDS[word_topic, word], BAD_WORDS[word_topic, word]),
+                                               counts)]
+    rows, start = [], 0
+    for prompt, size in zip(prompts, sizes.tolist()):
+        responses, scores = texts[start:start + size], levels[start:start + size].astype(float).tolist()
+        start += size
+        row = {"prompt": [{"role": "user", "content": prompt + "?"}] if conversational else prompt + "?"}
+        if layout == "completions":
+            row["completions"] = [{"response": r, "overall_score": s} for r, s in zip(responses, scores)]
+        elif layout == "scored":
+            row.update(responses=responses, scores=scores)
+        elif layout == "ranked":
+            row["responses"] = [responses[j] for j in np.argsort(-np.asarray(scores), kind="stable")]
+        else:
+            raise ValueError(f"unknown multi-response layout {layout!r}")
+        rows.append(row)
+    return rows
 
 
 def synthetic_corpus(rows) -> Iterator[str]:
