@@ -20,6 +20,7 @@ from test_bad_input import assert_one_line_error
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
+from ds_packdpo.data.heldout import split_by_content
 from ds_packdpo.data.multi_response import pair_indices
 from ds_packdpo.data.prepare import DataConfig, prepare_pairs
 from ds_packdpo.data.run_plan import run_plan
@@ -253,3 +254,15 @@ def test_synthetic_multi_response_rows(demo_tokenizer, cache_dir):
     for ranked_row, scored_row in zip(plain, scored):
         order = sorted(range(len(scored_row["scores"])), key=lambda j: -scored_row["scores"][j])
         assert ranked_row["responses"] == [scored_row["responses"][j] for j in order]
+
+
+def test_eval_fraction_holds_out_whole_groups(tmp_path, demo_tokenizer):
+    """--eval-fraction on pairs made from groups: every prompt's pairs fall on one side (none of a held-out group's
+    responses trains in another pair), about the fraction of the groups is held out."""
+    prepared = prepare_pairs(DataConfig(str(MULTI_DEMO_PATH), pairs_from="all", max_length=4096,
+                                        cache_dir=str(tmp_path / "cache")), demo_tokenizer)
+    train, held_out = split_by_content(prepared, 0.25)
+    prompts = [{tuple(ids) for ids in part.dataset["prompt_ids"]} for part in (train, held_out)]
+    assert not prompts[0] & prompts[1]
+    assert len(prompts[0]) + len(prompts[1]) == 152  # the groups with a pair
+    assert 0.15 < len(prompts[1]) / 152 < 0.35

@@ -5,7 +5,9 @@ rejected ids) falls in the lowest F of the hash range.  A pair's side therefore 
 on nothing but its own content: not on the seed, the layout, the order of the rows or the
 other pairs of the file, so adding rows never moves a held-out pair into training, and an
 exact duplicate of a held-out pair is held out with it (never trained on under another
-row).  The count is F x pairs up to sampling noise; the plan summary says how many.
+row).  The pairs made from one row of several responses are placed by their prompt's ids
+alone, so a group is held out whole: none of its responses trains in another pair.  The
+count is F x pairs up to sampling noise; the plan summary says how many.
 No torch.
 """
 
@@ -23,10 +25,13 @@ _HASH_SPAN = float(2 ** 64)  # the first 8 bytes of a SHA-256, as an unsigned in
 
 
 def content_positions(prepared: PreparedPairs) -> np.ndarray:
-    """Each pair's place in [0, 1): a hash of its prompt, chosen and rejected token ids (uniform, deterministic)."""
+    """Each pair's place in [0, 1): a hash of its prompt, chosen and rejected token ids (of its prompt's alone for
+    pairs made from groups of responses), uniform and deterministic."""
+    grouped = "multi_response" in prepared.summary
+    columns = ["prompt_ids"] if grouped else ["prompt_ids", "chosen_ids", "rejected_ids"]
     keys = []
     for batch in prepared.dataset.iter(batch_size=4096):
-        for ids in zip(batch["prompt_ids"], batch["chosen_ids"], batch["rejected_ids"]):
+        for ids in zip(*(batch[column] for column in columns)):
             digest = hashlib.sha256(np.asarray([len(part) for part in ids] + [i for part in ids for i in part],
                                                dtype=np.int64).tobytes()).digest()
             keys.append(int.from_bytes(digest[:8], "little") / _HASH_SPAN)
