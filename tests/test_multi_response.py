@@ -25,6 +25,7 @@ from ds_packdpo.data.multi_response import pair_indices
 from ds_packdpo.data.prepare import DataConfig, prepare_pairs
 from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.data.synthetic import synthetic_multi_response_rows
+from ds_packdpo.errors import InputError
 
 MULTI_DEMO_PATH = Path(__file__).resolve().parents[2] / "shared/data/multi_response_demo.jsonl"
 
@@ -116,6 +117,11 @@ def test_ranked_by_order_makes_the_best_first(demo_tokenizer, cache_dir):
     assert prepared.summary["multi_response"]["ties_dropped"] == 0
     worst = prepare_pairs(DataConfig("ranked", format="ranked", cache_dir=cache_dir), demo_tokenizer, rows=rows)
     assert _ids(worst) == _ids(want)[3:4]  # best-vs-worst: a against e
+    first = prepare_pairs(DataConfig("ranked", format="ranked", pairs_from="all", max_pairs=3, cache_dir=cache_dir),
+                          demo_tokenizer, rows=rows)
+    assert _ids(first) == _ids(want)[:3] and first.summary["beyond_max_pairs"] == 7  # --max-pairs counts pairs
+    with pytest.raises(InputError, match="pairs_from 'best-vs-all' is not one of best-vs-worst, best-vs-rest, all"):
+        DataConfig("ranked", pairs_from="best-vs-all")
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,8 @@ class GroupLayout:
         if self.conversational:
             return message_list(value, key)
         if not isinstance(value, str):
-            raise BadRow("non_string_field", f"field '{key}' must be a string (as the first row's), got {kind_of(value)}")
+            detail = f"field '{key}' must be a string (as the first row's), got {kind_of(value)}"
+            raise BadRow("non_string_field", detail)
         return value
 
     def _response(self, value, key: str):
@@ -158,7 +159,8 @@ class GroupLayout:
                 scores = [-float(j) for j in range(len(values))]
         if len(responses) < 2:
             key = COMPLETIONS if self.fmt == "completions" else RESPONSES
-            raise BadRow("too_few_responses", f"field '{key}' holds {len(responses)} response(s); a group needs 2 or more")
+            detail = f"field '{key}' holds {len(responses)} response(s); a group needs 2 or more"
+            raise BadRow("too_few_responses", detail)
         return Group(prompt, responses, scores)
 
 
@@ -180,9 +182,8 @@ def pair_indices(scores: list[float], rule: str) -> tuple[list[tuple[int, int]],
 
 
 def pairs_from_groups(groups: list[Group], rule: str, label: str) -> tuple[list[dict], dict]:
-    """Ordinary pairs (pair_id, prompt, chosen, rejected; ids numbered in order) and the summary of the groups."""
-    if rule not in PAIRS_FROM:
-        raise InputError(f"pairs_from '{rule}' is not one of {', '.join(PAIRS_FROM)}")
+    """Ordinary pairs (pair_id, prompt, chosen, rejected; ids numbered in order) and the summary of the groups;
+    ``rule`` is one of PAIRS_FROM (DataConfig checks it)."""
     pairs, ties, without_pairs = [], 0, 0
     for group in groups:
         indices, tied = pair_indices(group.scores, rule)
@@ -197,7 +198,8 @@ def pairs_from_groups(groups: list[Group], rule: str, label: str) -> tuple[list[
     summary = {
         "pairs_from": rule,
         "groups": len(groups),
-        "responses_per_group": {"mean": round(float(sizes.mean()), 2), "min": int(sizes.min()), "max": int(sizes.max())},
+        "responses_per_group": {"mean": round(float(sizes.mean()), 2), "min": int(sizes.min()),
+                                "max": int(sizes.max())},
         "pairs_made": len(pairs),
         "ties_dropped": ties,
         "groups_without_pairs": without_pairs,

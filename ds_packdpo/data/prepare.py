@@ -37,7 +37,8 @@ import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..files import atomic_write
-from .multi_response import MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, columns_for, detect_layout, pairs_from_groups
+from .multi_response import (MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, columns_for, detect_layout,
+                             pairs_from_groups)
 from .rows import BadRow, completion_messages, field_value, kind_of, message_list, text_value
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt", *MULTI_RESPONSE_FORMATS)

@@ -128,8 +128,8 @@ def synthetic_multi_response_rows(num_prompts: int = 256, seed: int = 0, layout:
     word_topic = np.repeat(np.repeat(topics, sizes), counts)
     good = rng.random(word_topic.size) < np.repeat((levels - 1) / (SCORE_LEVELS - 1), counts)
     word = rng.integers(0, WORDS_PER_SET, size=word_topic.size)
-    texts = [text + "." for text in _sentences(np.where(good, GOOD_WORDS[word_topic, word], BAD_WORDS[word_topic, word]),
-                                               counts)]
+    words = np.where(good, GOOD_WORDS[word_topic, word], BAD_WORDS[word_topic, word])
+    texts = [text + "." for text in _sentences(words, counts)]
     rows, start = [], 0
     for prompt, size in zip(prompts, sizes.tolist()):
         responses, scores = texts[start:start + size], levels[start:start + size].astype(float).tolist()
