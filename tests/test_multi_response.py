@@ -165,8 +165,10 @@ def test_bad_group_is_refused_in_one_line(case, tmp_path, tokenizer_dir, capsys)
 
 @pytest.mark.parametrize("rows, expected", [
     ([{"prompt": "q", "completions": [{"response": "x", "overall_score": 1}, {"response": "y"}]}],
-     "row 0: completions[1].overall_score is missing or null (the row's scores are 'overall_score'; one of "
-     "overall_score, score, rank)"),
+     "row 0: completions[1].overall_score is missing or null (every completion of a row is scored by the key of "
+     "its first: one of overall_score, score, rank)"),
+    ([{"prompt": "q", "completions": [{"response": "x", "rank": 1}, {"text": "y", "rank": 2}]}],
+     "row 0: completions[1].response is missing or null"),
     ([{"prompt": "q", "completions": [{"response": "x", "rank": 1}, "y"]}],
      "row 0: completions[1] must be an object with 'response' and a score, got a string"),
     ([{"prompt": "q", "responses": ["x", "y"]}],
@@ -175,7 +177,7 @@ def test_bad_group_is_refused_in_one_line(case, tmp_path, tokenizer_dir, capsys)
     ([{"prompt": "q", "responses": ["x", "y"], "scores": [1, 1]}],
      "no pair: every response of every group ties with the one it is paired with under --pairs-from best-vs-worst "
      "(1 ties dropped)"),
-], ids=["completion without its score", "completion not an object", "responses with no order", "only ties"])
+], ids=["completion without its score", "completion without its response", "completion not an object", "responses with no order", "only ties"])
 def test_refusals_of_layout_and_ties(rows, expected, tmp_path, tokenizer_dir, capsys):
     path = write_rows(rows, tmp_path, "json")
     code = cli.main(["prepare", "--dataset", str(path), "--tokenizer", str(tokenizer_dir),

@@ -134,10 +134,11 @@ class GroupLayout:
             if not isinstance(item, dict):
                 raise BadRow("malformed_responses", f"{where} must be an object with '{RESPONSE_KEY}' and a score, "
                              f"got {kind_of(item)}")
-            for key in (RESPONSE_KEY, score_key):
-                if item.get(key) is None:
-                    raise BadRow("missing_field", f"{where}.{key} is missing or null (the row's scores are "
-                                 f"'{score_key}'; one of {', '.join(SCORE_KEYS)})")
+            if item.get(RESPONSE_KEY) is None:
+                raise BadRow("missing_field", f"{where}.{RESPONSE_KEY} is missing or null")
+            if item.get(score_key) is None:
+                raise BadRow("missing_field", f"{where}.{score_key} is missing or null (every completion of a row is "
+                             f"scored by the key of its first: one of {', '.join(SCORE_KEYS)})")
             responses.append(self._response(item[RESPONSE_KEY], f"{where}.{RESPONSE_KEY}"))
             score = _number(item[score_key], f"{where}.{score_key}")
             scores.append(-score if score_key == "rank" else score)
