@@ -55,8 +55,8 @@ def _response(conversational: bool, text: str):
     return [{"role": "assistant", "content": text}] if conversational else text
 
 
-LAYOUTS = ("completions overall_score", "completions score", "completions rank", "scored", "scored int",
-           "ranked ranks")
+LAYOUTS = ("completions overall_score", "completions score", "completions rank", "answers rank", "scored",
+           "scored int", "ranked ranks")
 
 
 def in_layout(name: str, prompt, responses: list, scores: list[float]) -> dict:
@@ -67,6 +67,9 @@ def in_layout(name: str, prompt, responses: list, scores: list[float]) -> dict:
         values = ranks if key == "rank" else scores
         return {"prompt": prompt, "completions": [{"model": f"m{j}", "response": r, key: v}
                                                   for j, (r, v) in enumerate(zip(responses, values))]}
+    if name == "answers rank":  # Nectar's layout, its ranks as floats
+        return {"prompt": prompt, "answers": [{"answer": r, "model": f"m{j}", "rank": float(v)}
+                                              for j, (r, v) in enumerate(zip(responses, ranks))], "turns": 1}
     if name == "ranked ranks":
         return {"prompt": prompt, "responses": responses, "ranks": ranks}
     return {"prompt": prompt, "responses": responses,
@@ -99,7 +102,7 @@ def test_every_layout_tokenizes_as_the_same_pairs_written_as_ordinary_rows(conve
             prepared = prepare_pairs(DataConfig("groups", pairs_from=rule, cache_dir=cache_dir), demo_tokenizer,
                                      rows=rows)
             assert _ids(prepared) == want, (name, rule)
-            assert prepared.summary["format"] == name.split()[0]
+            assert prepared.summary["format"] == name.split()[0].replace("answers", "completions")
             assert prepared.dataset["pair_id"] == list(range(len(want)))
             groups = prepared.summary["multi_response"]
             assert (groups["groups"], groups["pairs_made"], groups["ties_dropped"]) == (2, len(want), ties), name
@@ -169,6 +172,8 @@ def test_bad_group_is_refused_in_one_line(case, tmp_path, tokenizer_dir, capsys)
      "its first: one of overall_score, score, rank)"),
     ([{"prompt": "q", "completions": [{"response": "x", "rank": 1}, {"text": "y", "rank": 2}]}],
      "row 0: completions[1].response is missing or null"),
+    ([{"prompt": "q", "answers": [{"answer": "x", "rank": 1}, {"response": "y", "rank": 2}]}],
+     "row 0: answers[1].answer is missing or null"),
     ([{"prompt": "q", "completions": [{"response": "x", "rank": 1}, "y"]}],
      "row 0: completions[1] must be an object with 'response' and a score, got a string"),
     ([{"prompt": "q", "responses": ["x", "y"]}],
@@ -177,12 +182,26 @@ def test_bad_group_is_refused_in_one_line(case, tmp_path, tokenizer_dir, capsys)
     ([{"prompt": "q", "responses": ["x", "y"], "scores": [1, 1]}],
      "no pair: every response of every group ties with the one it is paired with under --pairs-from best-vs-worst "
      "(1 ties dropped)"),
-], ids=["completion without its score", "completion without its response", "completion not an object", "responses with no order", "only ties"])
+], ids=["completion without its score", "completion without its response", "answer without its text", "completion not an object", "responses with no order", "only ties"])
 def test_refusals_of_layout_and_ties(rows, expected, tmp_path, tokenizer_dir, capsys):
     path = write_rows(rows, tmp_path, "json")
     code = cli.main(["prepare", "--dataset", str(path), "--tokenizer", str(tokenizer_dir),
                      "--cache-dir", str(tmp_path / "cache")])
     assert_one_line_error(code, capsys.readouterr().err, f"{path}", expected)
+
+
+def test_forced_format_names_the_columns_of_its_layout(demo_tokenizer, cache_dir):
+    """--format completions reads Nectar's answers too; a format whose columns are absent names them."""
+    rows = [in_layout("answers rank", "q", TEXTS, SCORES)]
+    forced = prepare_pairs(DataConfig("nectar", format="completions", cache_dir=cache_dir), demo_tokenizer, rows=rows)
+    detected = prepare_pairs(DataConfig("nectar", cache_dir=cache_dir), demo_tokenizer, rows=rows)
+    assert _ids(forced) == _ids(detected) and len(_ids(forced)) == 1
+    with pytest.raises(InputError, match=r"nectar: format 'scored' needs columns \['prompt', 'responses', 'scores'\], "
+                                         r"missing \['responses', 'scores'\]"):
+        prepare_pairs(DataConfig("nectar", format="scored", cache_dir=cache_dir), demo_tokenizer, rows=rows)
+    with pytest.raises(InputError, match=r"format 'completions' needs columns \['prompt', 'completions'\]"):
+        prepare_pairs(DataConfig("plain", format="completions", cache_dir=cache_dir), demo_tokenizer,
+                      rows=[{"prompt": "q", "responses": TEXTS}])
 
 
 def test_skip_mode_counts_bad_groups(demo_tokenizer, cache_dir):

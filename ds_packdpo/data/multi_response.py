@@ -5,7 +5,8 @@ Nectar ranks 7, on-policy sampling scores 4-16).  Three layouts are read, each w
 plain (string) or conversational (message list) prompt:
 
 * ``completions``: ``completions`` is a list of objects, each with the ``response``
-  and a score (``overall_score`` as UltraFeedback, or ``score``) or a ``rank``;
+  and a score (``overall_score`` as UltraFeedback, or ``score``) or a ``rank``; or,
+  as Nectar, ``answers``, each with the ``answer`` and its ``rank``;
 * ``scored``: ``responses`` (a list) and ``scores`` (one number per response);
 * ``ranked``: ``responses`` ordered best first, or with ``ranks`` (one per response).
 
@@ -30,23 +31,30 @@ from .rows import BadRow, completion_messages, field_value, kind_of, message_lis
 
 MULTI_RESPONSE_FORMATS = ("completions", "scored", "ranked")
 PAIRS_FROM = ("best-vs-worst", "best-vs-rest", "all")
-COMPLETIONS, RESPONSES, SCORES, RANKS = "completions", "responses", "scores", "ranks"
-RESPONSE_KEY = "response"
+RESPONSES, SCORES, RANKS = "responses", "scores", "ranks"
+# a column of completion objects -> their text key: UltraFeedback's, Nectar's
+OBJECT_LISTS = {"completions": "response", "answers": "answer"}
 SCORE_KEYS = ("overall_score", "score", "rank")  # per completion object; the first one a row's first object has
 TOKENS_SAVED_NOTE = ("not yet: the pairs train as ordinary pairs; rows holding each group once (and the tokens that "
                      "saves) come with the grouped layout")
 
 
-def columns_for(prompt_column: str, fmt: str) -> list[str]:
-    """The columns ``fmt`` needs (``ranked`` may also have ``ranks``)."""
-    return [prompt_column, *{"completions": [COMPLETIONS], "scored": [RESPONSES, SCORES], "ranked": [RESPONSES]}[fmt]]
+def _object_list(columns) -> str:
+    """The column of completion objects among ``columns`` (``completions`` when there is none)."""
+    return next((column for column in OBJECT_LISTS if column in columns), "completions")
+
+
+def columns_for(prompt_column: str, fmt: str, columns=()) -> list[str]:
+    """The columns ``fmt`` needs in a dataset of ``columns`` (``ranked`` may also have ``ranks``)."""
+    needed = {"completions": [_object_list(columns)], "scored": [RESPONSES, SCORES], "ranked": [RESPONSES]}
+    return [prompt_column, *needed[fmt]]
 
 
 def detect_layout(columns: set[str], prompt_column: str, label: str) -> str | None:
     """The multi-response format these columns hold, or None; refuses responses with nothing to order them by."""
     if prompt_column not in columns:
         return None
-    if COMPLETIONS in columns:
+    if any(column in columns for column in OBJECT_LISTS):
         return "completions"
     if RESPONSES in columns:
         if SCORES in columns:
@@ -84,18 +92,21 @@ def _list(row: dict, key: str) -> list:
 @dataclass(frozen=True)
 class GroupLayout:
     """How the rows of one dataset hold their groups: the format, the prompt column, whether prompts are
-    conversational (from the first row, as for pairs) and, for ``ranked``, whether a ``ranks`` column orders them."""
+    conversational (from the first row, as for pairs), for ``ranked`` whether a ``ranks`` column orders them, and for
+    ``completions`` the column of completion objects."""
 
     fmt: str
     prompt_column: str
     conversational: bool
     has_ranks: bool
+    object_list: str
 
     @classmethod
     def of(cls, fmt: str, prompt_column: str, rows: list[dict]) -> GroupLayout:
         first_prompt = next((row[prompt_column] for row in rows if row.get(prompt_column) is not None), None)
         has_ranks = fmt == "ranked" and any(RANKS in row for row in rows)
-        return cls(fmt, prompt_column, isinstance(first_prompt, list), has_ranks)
+        columns = set().union(*(row.keys() for row in rows))
+        return cls(fmt, prompt_column, isinstance(first_prompt, list), has_ranks, _object_list(columns))
 
     def _prompt(self, row: dict):
         key = self.prompt_column
@@ -125,21 +136,21 @@ class GroupLayout:
         return [_number(value, f"{key}[{j}]") for j, value in enumerate(values)]
 
     def _completions(self, row: dict) -> tuple[list, list[float]]:
-        items = _list(row, COMPLETIONS)
+        items, text_key = _list(row, self.object_list), OBJECT_LISTS[self.object_list]
         first = items[0] if items and isinstance(items[0], dict) else {}
         score_key = next((key for key in SCORE_KEYS if key in first), SCORE_KEYS[0])
         responses, scores = [], []
         for j, item in enumerate(items):
-            where = f"{COMPLETIONS}[{j}]"
+            where = f"{self.object_list}[{j}]"
             if not isinstance(item, dict):
-                raise BadRow("malformed_responses", f"{where} must be an object with '{RESPONSE_KEY}' and a score, "
+                raise BadRow("malformed_responses", f"{where} must be an object with '{text_key}' and a score, "
                              f"got {kind_of(item)}")
-            if item.get(RESPONSE_KEY) is None:
-                raise BadRow("missing_field", f"{where}.{RESPONSE_KEY} is missing or null")
+            if item.get(text_key) is None:
+                raise BadRow("missing_field", f"{where}.{text_key} is missing or null")
             if item.get(score_key) is None:
                 raise BadRow("missing_field", f"{where}.{score_key} is missing or null (every completion of a row is "
                              f"scored by the key of its first: one of {', '.join(SCORE_KEYS)})")
-            responses.append(self._response(item[RESPONSE_KEY], f"{where}.{RESPONSE_KEY}"))
+            responses.append(self._response(item[text_key], f"{where}.{text_key}"))
             score = _number(item[score_key], f"{where}.{score_key}")
             scores.append(-score if score_key == "rank" else score)
         return responses, scores
@@ -159,7 +170,7 @@ class GroupLayout:
             else:  # ordered best first
                 scores = [-float(j) for j in range(len(values))]
         if len(responses) < 2:
-            key = COMPLETIONS if self.fmt == "completions" else RESPONSES
+            key = self.object_list if self.fmt == "completions" else RESPONSES
             detail = f"field '{key}' holds {len(responses)} response(s); a group needs 2 or more"
             raise BadRow("too_few_responses", detail)
         return Group(prompt, responses, scores)

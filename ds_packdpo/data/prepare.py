@@ -239,9 +239,9 @@ def _load_records(cfg: DataConfig) -> list[tuple[str, object]]:
 
 
 # ----------------------------------------------------------------------------- formats
-def _columns_for(cfg: DataConfig, fmt: str) -> list[str]:
+def _columns_for(cfg: DataConfig, fmt: str, columns=()) -> list[str]:
     if fmt in MULTI_RESPONSE_FORMATS:
-        return columns_for(cfg.prompt_column, fmt)
+        return columns_for(cfg.prompt_column, fmt, columns)
     if fmt == "sharegpt":
         return [cfg.conversations_column, cfg.chosen_column, cfg.rejected_column]
     if fmt == "implicit":
@@ -256,10 +256,10 @@ def _first_value(rows: list[dict], key: str):
 def _detect_format(cfg: DataConfig, rows: list[dict], label: str) -> str:
     columns = set().union(*(row.keys() for row in rows))
     if cfg.format != "auto":
-        missing = [c for c in _columns_for(cfg, cfg.format) if c not in columns]
+        missing = [c for c in _columns_for(cfg, cfg.format, columns) if c not in columns]
         if missing:
             raise InputError(
-                f"{label}: format '{cfg.format}' needs columns {_columns_for(cfg, cfg.format)}, "
+                f"{label}: format '{cfg.format}' needs columns {_columns_for(cfg, cfg.format, columns)}, "
                 f"missing {missing}; columns found {sorted(columns)}"
             )
         return cfg.format
