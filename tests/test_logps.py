@@ -19,12 +19,12 @@ def random_layout(g: torch.Generator, rows: int, length: int, vocab: int, sequen
 
 
 def plain_reference(logits, labels, seq_index, sequences):
-    """The obvious computation: full fp32 log_softmax, then a loop over sequences."""
+    """The obvious computation: full fp32 log_softmax, then a loop over sequences summing in fp64."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     mask = labels != -100
-    per_token = logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
-    mean_logit = logits.float().mean(-1)
-    out = [(per_token[mask & (seq_index == s)].sum(), (mask & (seq_index == s)).sum().float(),
+    per_token = logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1).double()
+    mean_logit = logits.float().mean(-1).double()
+    out = [(per_token[mask & (seq_index == s)].sum(), (mask & (seq_index == s)).sum().double(),
             mean_logit[mask & (seq_index == s)].sum()) for s in range(sequences)]
     return [torch.stack(column) for column in zip(*out)]
 
@@ -47,7 +47,8 @@ def test_chunked_values_and_gradients_match_plain_log_softmax(rows, length, voca
     torch.testing.assert_close(result.tokens, ref_tokens, rtol=0, atol=0)
     torch.testing.assert_close(result.logits_sum, ref_logits_sum.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
-    assert result.logps.dtype == torch.float32 and not result.logits_sum.requires_grad
+    assert {result.logps.dtype, result.tokens.dtype, result.logits_sum.dtype} == {torch.float64}
+    assert not result.logits_sum.requires_grad
 
 
 def test_chosen_rejected_views_follow_canonical_order():
@@ -85,7 +86,8 @@ def test_bf16_logits_never_saved_as_full_fp32_log_softmax():
     result.logps.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
     ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
-    ref_sums = torch.zeros(4).index_add_(0, seq_index[0][labels[0] != -100], ref[0][labels[0] != -100])
+    ref_sums = torch.zeros(4, dtype=torch.float64).index_add_(0, seq_index[0][labels[0] != -100],
+                                                              ref[0][labels[0] != -100].double())
     torch.testing.assert_close(result.logps.detach(), ref_sums, rtol=1e-5, atol=1e-4)
 
 
@@ -131,12 +133,13 @@ def test_lean_values_and_gradients_match_plain(rows, length, vocab, hidden, sequ
     lean_states = states.clone().requires_grad_()
     rows_idx, token_logps, mean_logit = lean_token_logps(lean_states, labels, head, chunk_tokens=chunk)
     seq = seq_index.reshape(-1)[rows_idx]
-    lean = torch.zeros(sequences).index_add(0, seq, token_logps)
+    per_sequence = torch.zeros(sequences, dtype=torch.float64)
+    lean = per_sequence.index_add(0, seq, token_logps.double())
     (lean * weights).sum().backward()
     lean_grads = _grads(head, lean_states)
 
     torch.testing.assert_close(lean.detach(), plain.logps.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.zeros(sequences).index_add(0, seq, mean_logit), plain.logits_sum,
+    torch.testing.assert_close(per_sequence.index_add(0, seq, mean_logit.double()), plain.logits_sum,
                                rtol=1e-5, atol=1e-5)
     for got, want in zip(lean_grads, plain_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
