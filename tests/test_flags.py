@@ -78,7 +78,7 @@ def values(tmp_path, monkeypatch) -> dict[str, str]:
     ref.write_text("")
     return {"MODEL": str(model), "--model": str(model), "--ref-model": str(model), "--tokenizer": str(model),
             "--config": str(config), "--ref-logps": str(ref), "--resume": str(model),
-            "--configurations": "padded", "--out": str(tmp_path / "new_out.jsonl"), "--max-shard-size": "200MB"}
+            "--configurations": "padded", "--logps-chunk-tokens": "256", "--out": str(tmp_path / "new_out.jsonl"), "--max-shard-size": "200MB"}
 
 
 def _options(parser: argparse.ArgumentParser):

@@ -197,3 +197,48 @@ def test_lean_falls_back_to_plain_for_post_processed_logits():
     assert lean_lm_head(model) is model.lm_head and final_logit_softcap(model) == 30.0
     model.config.logit_scale = 0.5  # Cohere-style scaling after the lm_head: computed on the full logits
     assert lean_lm_head(model) is None
+
+
+def test_auto_chunk_is_the_largest_under_half_the_floor_and_is_the_chunk_used(monkeypatch):
+    """--logps-chunk-tokens auto: the chunk is the largest whose fp32 logits and gradient fit in half of the
+    stage's floor ((T + V) x H elements), so it grows with the row, the width and the dtype's size and shrinks
+    with the vocabulary; forward_logps runs that many tokens per chunk (counted), with the values of an explicit
+    chunk; the flag takes 'auto' or a number and refuses anything else in one line."""
+    from ds_packdpo.config import parse_train_args
+    from ds_packdpo.errors import InputError
+    from ds_packdpo.model import logps
+    from ds_packdpo.model.build import build_model
+    from ds_packdpo.model.collate import collate_packed
+    from ds_packdpo.model.guard import synthetic_pairs
+
+    for tokens, hidden, vocab, size in [(8192, 512, 32000, 4), (16384, 4096, 128256, 2), (7, 3, 11, 4)]:
+        chunk = logps.auto_chunk_tokens(tokens, hidden, vocab, size)
+        floor = (tokens + vocab) * hidden * size
+        assert 8 * chunk * vocab <= 0.5 * floor < 8 * (chunk + 1) * vocab or chunk == 1, (tokens, chunk)
+    assert logps.auto_chunk_tokens(8192, 512, 32000, 4) == 160
+    assert logps.auto_chunk_tokens(16384, 512, 32000, 4) > 160 > logps.auto_chunk_tokens(8192, 512, 64000, 4)
+    assert logps.auto_chunk_tokens(8192, 512, 32000, 2) < 160 < logps.auto_chunk_tokens(8192, 1024, 32000, 4)
+
+    vocab = 300
+    model = build_model(None, "tiny", vocab, torch.float32, "sdpa", seed=0)
+    batch = collate_packed(synthetic_pairs(6, vocab, seed=1), list(range(6)), 0)
+    chunk = logps.auto_chunk_tokens(batch.input_ids.numel(), 64, vocab, 4)
+    scored = int((batch.labels != -100).sum())
+    assert 1 < chunk < scored // 2  # several chunks here, so the count below tells chunk sizes apart
+    sizes = []
+    real_chunk_logits = logps._chunk_logits
+    monkeypatch.setattr(logps, "_chunk_logits", lambda chunk_, *a: sizes.append(chunk_.shape[0])
+                        or real_chunk_logits(chunk_, *a))
+    with torch.no_grad():
+        auto = logps.forward_logps(model, batch, "sdpa")
+        assert sizes[:-1] == [chunk] * (len(sizes) - 1) and sum(sizes) == scored
+        sizes.clear()
+        explicit = logps.forward_logps(model, batch, "sdpa", chunk_tokens=chunk + 3)
+        assert sizes[0] == chunk + 3
+    torch.testing.assert_close(auto.logps, explicit.logps, rtol=1e-7, atol=1e-6)  # other chunks: other matmul blocks
+
+    assert parse_train_args([]).logps_chunk == "auto"
+    assert parse_train_args(["--logps-chunk-tokens", "256"]).logps_chunk == 256
+    for bad in ("0", "-3", "big", "1.5"):
+        with pytest.raises(InputError, match="^--logps-chunk-tokens must be 'auto' or a number >= 1"):
+            parse_train_args(["--logps-chunk-tokens", bad])

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from .collate import ModelBatch
 
 __all__ = ["SequenceLogps", "sequence_logps", "model_forward_kwargs", "forward_logps", "completion_token_logps",
-           "lean_token_logps", "lean_lm_head", "final_logit_softcap", "scored_tokens", "LOGPS_IMPLS"]
+           "lean_token_logps", "lean_lm_head", "final_logit_softcap", "scored_tokens", "auto_chunk_tokens",
+           "LOGPS_IMPLS", "AUTO_CHUNK"]
 
 
 @dataclass
@@ -172,6 +173,10 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.
 
 # ----------------------------------------------------------------------------- lean: no [T, V] logits
 LOGPS_IMPLS = ("lean", "plain")
+AUTO_CHUNK = "auto"
+# The chunk's logits and gradient may take this share of the stage's floor (:func:`auto_chunk_tokens`); chosen on
+# scripts/bench_logps.py (README, "Lean log-probs").
+AUTO_CHUNK_FRACTION = 0.5
 # Config keys of architectures whose forward rescales the lm_head output (Cohere, Granite): the lean path applies
 # the lm_head itself and would skip that, so those models take the plain path.  Gemma 2/3's final soft-cap
 # (``final_logit_softcapping``) the lean path applies itself (:func:`final_logit_softcap`).
@@ -354,14 +359,41 @@ def _final_hidden_states(model, batch: ModelBatch, attn: str) -> torch.Tensor:
     return output.hidden_states[-1]
 
 
-def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096, impl: str = "lean") -> SequenceLogps:
+def auto_chunk_tokens(row_tokens: int, hidden_size: int, vocab_size: int, hidden_bytes: int,
+                      fraction: float = AUTO_CHUNK_FRACTION) -> int:
+    """The largest chunk whose fp32 logits and their gradient (``2 x chunk x V x 4`` bytes) stay under
+    ``fraction`` of the stage's floor: what it holds whatever the chunk, the row's final hidden states and the
+    lm_head's weight gradient, ``(T + V) x H`` elements of the model's dtype.  At least one token.
+
+    The floor is the memory the stage cannot go below (a fused kernel holds it too), so sizing the chunk from it
+    keeps the chunks' share of the peak bounded at any length, vocabulary and width: a fixed 1024 tokens' logits
+    and gradient (262 MB at a 32k vocabulary) were 3.2x the floor of an 8k-token row of width 512.
+    """
+    floor_bytes = (row_tokens + vocab_size) * hidden_size * hidden_bytes
+    return max(1, int(fraction * floor_bytes) // (2 * vocab_size * 4))
+
+
+def _chunk_for(chunk_tokens: int | str, model, batch: ModelBatch) -> int:
+    """``chunk_tokens``, or for ``"auto"`` :func:`auto_chunk_tokens` of this row and this model."""
+    if chunk_tokens != AUTO_CHUNK:
+        return chunk_tokens
+    lm = hf_model(model)
+    config = lm.config.get_text_config()
+    return auto_chunk_tokens(batch.input_ids.numel(), config.hidden_size, config.vocab_size,
+                             torch.empty((), dtype=lm.dtype).element_size())
+
+
+def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK,
+                  impl: str = "lean") -> SequenceLogps:
     """One forward of ``model`` (an nn.Module or a DeepSpeed engine) on ``batch``, reduced per sequence.
 
     ``impl="lean"`` never holds the ``[T, V]`` logits; a model whose logits are not
     just its (soft-capped) lm_head's output falls back to ``plain`` with a warning.
+    ``chunk_tokens``: completion tokens per chunk, or ``"auto"`` (:func:`auto_chunk_tokens`).
     """
     if impl not in LOGPS_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(LOGPS_IMPLS)}, got {impl!r}")
+    chunk_tokens = _chunk_for(chunk_tokens, model, batch)
     head = lean_lm_head(model) if impl == "lean" else None
     if impl == "lean" and head is None:
         warnings.warn("lean log-probs: this model post-processes its logits or has no linear lm_head; "
