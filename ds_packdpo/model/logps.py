@@ -80,17 +80,20 @@ class SequenceLogps:
         return self.logits_sum[1::2]
 
 
-def _target_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp64 log-prob of each target, fp32 logsumexp for the backward) of fp32 logits ``[C, V]``.
+def _target_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp64 log-prob of each target, fp32 logsumexp for the backward, fp32 vocab-mean logit) of fp32 logits
+    ``[C, V]``, which it overwrites (the exp is taken in place: one ``[C, V]`` buffer per chunk, not two).
 
     The row max and the target logit are exact in fp64; the sum of ``exp(logit - max)`` stays fp32 (it lies in
     [1, V], relative error ~1e-8) and its log is taken in fp64.  Rounding the ~10-nat result to fp32 per token
     instead cost 6e-6 nats per 512-token sum and 4e-5 per 16k-token one (random fp32 logits, V=1024, against an
     fp64 log_softmax); this costs 1.3e-6 and 1.5e-6 there, and no ``[C, V]`` tensor is ever fp64.
     """
+    target = logits.gather(1, targets[:, None]).squeeze(1).double()
+    mean_logit = logits.mean(dim=-1)
     peak = logits.max(dim=-1, keepdim=True).values
-    logsumexp = peak.squeeze(1).double() + (logits - peak).exp_().sum(dim=-1).double().log_()
-    return logits.gather(1, targets[:, None]).squeeze(1).double() - logsumexp, logsumexp.float()
+    logsumexp = peak.squeeze(1).double() + logits.sub_(peak).exp_().sum(dim=-1).double().log_()
+    return target - logsumexp, logsumexp.float(), mean_logit
 
 
 class _LabelLogProb(torch.autograd.Function):
@@ -110,8 +113,7 @@ class _LabelLogProb(torch.autograd.Function):
         for start in range(0, count, chunk_tokens):
             span = slice(start, start + chunk_tokens)
             chunk = logits_2d.index_select(0, rows[span]).float()
-            token_logps[span], logsumexp[span] = _target_logps(chunk, targets[span])
-            mean_logit[span] = chunk.mean(dim=-1)
+            token_logps[span], logsumexp[span], mean_logit[span] = _target_logps(chunk, targets[span])
         ctx.save_for_backward(logits_2d, rows, targets, logsumexp)
         ctx.chunk_tokens = chunk_tokens
         ctx.mark_non_differentiable(mean_logit)
@@ -125,7 +127,7 @@ class _LabelLogProb(torch.autograd.Function):
         for start in range(0, rows.numel(), ctx.chunk_tokens):
             span = slice(start, start + ctx.chunk_tokens)
             g = grad_token_logps[span, None]
-            chunk_grad = (logits_2d.index_select(0, rows[span]).float() - logsumexp[span, None]).exp_().mul_(-g)
+            chunk_grad = logits_2d.index_select(0, rows[span]).float().sub_(logsumexp[span, None]).exp_().mul_(-g)
             chunk_grad.scatter_add_(1, targets[span, None], g)
             grad.index_add_(0, rows[span], chunk_grad.to(grad.dtype))  # a prompt's last row is scored twice when shared
         return grad, None, None, None
@@ -256,8 +258,7 @@ class _LeanLabelLogProb(torch.autograd.Function):
         mean_logit = hidden.new_empty(count, dtype=torch.float32)
         for span in spans:
             logits, _ = _capped(_chunk_logits(hidden[span], weight, bias, low_in, low_weight, span), softcap)
-            token_logps[span], logsumexp[span] = _target_logps(logits, targets[span])
-            mean_logit[span] = logits.mean(dim=-1)
+            token_logps[span], logsumexp[span], mean_logit[span] = _target_logps(logits, targets[span])
         ctx.save_for_backward(hidden, targets, logsumexp, low_in)
         ctx.head, ctx.low_head, ctx.spans, ctx.softcap = head, low_head, spans, softcap
         ctx.mark_non_differentiable(mean_logit)
@@ -279,7 +280,7 @@ class _LeanLabelLogProb(torch.autograd.Function):
             chunk = hidden[span]
             g = grad_token_logps[span, None]
             logits, squashed = _capped(_chunk_logits(chunk, weight, bias, low_in, low_weight, span), ctx.softcap)
-            grad_logits = (logits - logsumexp[span, None]).exp_().mul_(-g)
+            grad_logits = logits.sub_(logsumexp[span, None]).exp_().mul_(-g)  # in place: one [C, V] buffer
             grad_logits = grad_logits.scatter_add_(1, targets[span, None], g)
             if squashed is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh(x / cap)^2
                 grad_logits = grad_logits.mul_(1 - squashed.square_())
