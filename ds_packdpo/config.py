@@ -391,6 +391,8 @@ def _coerce(key: str, value, tp: type, source: str):
         return value
     if tp is str and isinstance(value, str):
         return value
+    if tp is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # e.g. logps_chunk_tokens: a count or "auto"; the setting's validation judges the text
     raise InputError(f"{source}: key '{key}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -199,7 +201,7 @@ def test_lean_falls_back_to_plain_for_post_processed_logits():
     assert lean_lm_head(model) is None
 
 
-def test_auto_chunk_is_the_largest_under_half_the_floor_and_is_the_chunk_used(monkeypatch):
+def test_auto_chunk_is_the_largest_under_half_the_floor_and_is_the_chunk_used(monkeypatch, tmp_path):
     """--logps-chunk-tokens auto: the chunk is the largest whose fp32 logits and gradient fit in half of the
     stage's floor ((T + V) x H elements), so it grows with the row, the width and the dtype's size and shrinks
     with the vocabulary; forward_logps runs that many tokens per chunk (counted), with the values of an explicit
@@ -242,3 +244,6 @@ def test_auto_chunk_is_the_largest_under_half_the_floor_and_is_the_chunk_used(mo
     for bad in ("0", "-3", "big", "1.5"):
         with pytest.raises(InputError, match="^--logps-chunk-tokens must be 'auto' or a number >= 1"):
             parse_train_args(["--logps-chunk-tokens", bad])
+    config_file = tmp_path / "settings.json"  # a config file may give the count as a JSON number
+    config_file.write_text(json.dumps({"logps_chunk_tokens": 96}))
+    assert parse_train_args(["--config", str(config_file)]).logps_chunk == 96
