@@ -124,8 +124,10 @@ class TrainConfig:
     label_smoothing: float = _opt("Conservative-DPO label smoothing.", 0.0)
     simpo_gamma: float = _opt("SimPO target margin.", 0.5)
     rpo_alpha: float = _opt("Weight of the NLL-per-chosen-token (RPO/SFT) term; 0 disables.", 0.0)
-    logps_chunk_tokens: int = _opt("Completion tokens per chunk of the log-prob computation (with lean log-probs: "
-                                   "the most tokens whose logits exist at once).", 1024)
+    logps_chunk_tokens: str = _opt("Completion tokens per chunk of the log-prob computation (with lean log-probs: "
+                                   "the most tokens whose logits exist at once): a number, or 'auto', the largest "
+                                   "chunk whose fp32 logits and gradient stay under half the stage's floor (the "
+                                   "row's hidden states and the lm_head gradient).", "auto")
     logps_impl: str = _opt("Log-probs from chunks of the final hidden states, never the whole [tokens x vocab] logits "
                            "(lean), or from the full logits (plain).", "lean", ("lean", "plain"))
     # --- DeepSpeed ---
@@ -215,6 +217,11 @@ class TrainConfig:
             return 64
         return self.global_batch_pairs
 
+    @property
+    def logps_chunk(self) -> int | str:
+        """--logps-chunk-tokens as the log-prob stage takes it: a number of tokens, or "auto"."""
+        return self.logps_chunk_tokens if self.logps_chunk_tokens == "auto" else int(self.logps_chunk_tokens)
+
     def data_config(self) -> DataConfig:
         """The data stage's settings (the embedded synthetic dataset is labelled 'synthetic')."""
         return DataConfig.from_settings(self, dataset=self.dataset or "synthetic")
@@ -272,11 +279,13 @@ class TrainConfig:
         for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon"):
             if getattr(self, key) < 0:
                 raise InputError(f"--{flag(key)} must be >= 0, got {getattr(self, key)}")
-        positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "logps_chunk_tokens",
-                    "sequence_parallel_size", "logging_steps"]
+        positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "sequence_parallel_size",
+                    "logging_steps"]
         for key in positive:
             if getattr(self, key) < 1:
                 raise InputError(f"--{flag(key)} must be >= 1, got {getattr(self, key)}")
+        if self.logps_chunk_tokens != "auto" and not (self.logps_chunk_tokens.isdigit() and int(self.logps_chunk_tokens)):
+            raise InputError(f"--logps-chunk-tokens must be 'auto' or a number >= 1, got {self.logps_chunk_tokens!r}")
         for key in ["max_tokens_per_row", "global_batch_pairs", "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs",
                     "eval_steps", "eval_max_pairs"]:
             value = getattr(self, key)
@@ -454,6 +463,8 @@ def _coerce(key: str, value, tp: type, source: str):
         return value
     if tp is str and isinstance(value, str):
         return value
+    if tp is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # e.g. logps_chunk_tokens: a count or "auto"; the setting's validation judges the text
     raise InputError(f"{source}: key '{key}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
 
 

@@ -16,7 +16,7 @@ hold the core, so it is the steadier figure on a shared machine); the
 subprocesses of both variants alternate ``--repeats`` times, and the report gives
 the medians.
 
-    .venv/bin/python scripts/bench_logps.py --tokens 8192 --vocab 32000 --hidden 1024
+    .venv/bin/python scripts/bench_logps.py --tokens 8192 --vocab 32000 --hidden 512
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def chunk_tokens(args) -> int:
+    """--chunk-tokens, or for 'auto' the chunk training would use on this row (4-byte fp32 weights)."""
+    from ds_packdpo.model.logps import auto_chunk_tokens
+
+    if args.chunk_tokens == "auto":
+        return auto_chunk_tokens(args.tokens, args.hidden, args.vocab, 4)
+    return int(args.chunk_tokens)
+
+
 def child(args) -> dict:
     import torch
 
@@ -57,9 +66,9 @@ def child(args) -> dict:
 
     def stage(hidden, labels, seq_index, sequences):
         if args.variant == "plain":
-            seqs = sequence_logps(head(hidden), labels, seq_index, sequences, args.chunk_tokens)
+            seqs = sequence_logps(head(hidden), labels, seq_index, sequences, chunk_tokens(args))
         else:
-            rows, token_logps, mean_logit = lean_token_logps(hidden, labels, head, args.chunk_tokens)
+            rows, token_logps, mean_logit = lean_token_logps(hidden, labels, head, chunk_tokens(args))
             seqs = _per_sequence(seq_index.reshape(-1)[rows], token_logps, mean_logit, sequences)
         (seqs.logps * torch.linspace(-1, 1, sequences)).sum().backward()
         hidden.grad = head.weight.grad = None
@@ -85,7 +94,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--sequence-tokens", type=int, default=512)
-    parser.add_argument("--chunk-tokens", type=int, default=1024)
+    parser.add_argument("--chunk-tokens", default="auto", help="a number, or auto (--logps-chunk-tokens auto)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     parser.add_argument("--runs", type=int, default=3, help="stages per subprocess (median time)")
     parser.add_argument("--repeats", type=int, default=3, help="subprocesses per variant, alternating")
@@ -111,6 +120,8 @@ def main() -> None:
                for variant, runs in results.items()}
     print(json.dumps({
         "setting": {k: v for k, v in vars(args).items() if k != "variant"},
+        "chunk_tokens": chunk_tokens(args),
+        "floor_mib": (args.tokens + args.vocab) * args.hidden * 4 / 2**20,  # hidden states + lm_head gradient
         "threads": results["plain"][0]["threads"],
         **summary,
         "memory_ratio_plain_over_lean": summary["plain"]["peak_mib"] / summary["lean"]["peak_mib"],

@@ -87,7 +87,8 @@ def values(tmp_path, monkeypatch) -> dict[str, str]:
     return {"MODEL": str(model), "--model": str(model), "--ref-model": str(model), "--tokenizer": str(model),
             "--config": str(config), "--ref-logps": str(ref), "--resume": str(model),
             "--configurations": "padded", "--adam-beta1": "0.5", "--adam-beta2": "0.5", "--optimizer": "SGD",
-            "--report-to": "csv", "--out": str(tmp_path / "new_out.jsonl"), "--max-shard-size": "200MB"}
+            "--report-to": "csv", "--logps-chunk-tokens": "256", "--out": str(tmp_path / "new_out.jsonl"),
+            "--max-shard-size": "200MB"}
 
 
 def _options(parser: argparse.ArgumentParser):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,12 +21,12 @@ def random_layout(g: torch.Generator, rows: int, length: int, vocab: int, sequen
 
 
 def plain_reference(logits, labels, seq_index, sequences):
-    """The obvious computation: full fp32 log_softmax, then a loop over sequences."""
+    """The obvious computation: full fp32 log_softmax, then a loop over sequences summing in fp64."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     mask = labels != -100
-    per_token = logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
-    mean_logit = logits.float().mean(-1)
-    out = [(per_token[mask & (seq_index == s)].sum(), (mask & (seq_index == s)).sum().float(),
+    per_token = logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1).double()
+    mean_logit = logits.float().mean(-1).double()
+    out = [(per_token[mask & (seq_index == s)].sum(), (mask & (seq_index == s)).sum().double(),
             mean_logit[mask & (seq_index == s)].sum()) for s in range(sequences)]
     return [torch.stack(column) for column in zip(*out)]
 
@@ -47,7 +49,8 @@ def test_chunked_values_and_gradients_match_plain_log_softmax(rows, length, voca
     torch.testing.assert_close(result.tokens, ref_tokens, rtol=0, atol=0)
     torch.testing.assert_close(result.logits_sum, ref_logits_sum.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
-    assert result.logps.dtype == torch.float32 and not result.logits_sum.requires_grad
+    assert {result.logps.dtype, result.tokens.dtype, result.logits_sum.dtype} == {torch.float64}
+    assert not result.logits_sum.requires_grad
 
 
 def test_chosen_rejected_views_follow_canonical_order():
@@ -85,7 +88,8 @@ def test_bf16_logits_never_saved_as_full_fp32_log_softmax():
     result.logps.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
     ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
-    ref_sums = torch.zeros(4).index_add_(0, seq_index[0][labels[0] != -100], ref[0][labels[0] != -100])
+    ref_sums = torch.zeros(4, dtype=torch.float64).index_add_(0, seq_index[0][labels[0] != -100],
+                                                              ref[0][labels[0] != -100].double())
     torch.testing.assert_close(result.logps.detach(), ref_sums, rtol=1e-5, atol=1e-4)
 
 
@@ -131,12 +135,13 @@ def test_lean_values_and_gradients_match_plain(rows, length, vocab, hidden, sequ
     lean_states = states.clone().requires_grad_()
     rows_idx, token_logps, mean_logit = lean_token_logps(lean_states, labels, head, chunk_tokens=chunk)
     seq = seq_index.reshape(-1)[rows_idx]
-    lean = torch.zeros(sequences).index_add(0, seq, token_logps)
+    per_sequence = torch.zeros(sequences, dtype=torch.float64)
+    lean = per_sequence.index_add(0, seq, token_logps.double())
     (lean * weights).sum().backward()
     lean_grads = _grads(head, lean_states)
 
     torch.testing.assert_close(lean.detach(), plain.logps.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.zeros(sequences).index_add(0, seq, mean_logit), plain.logits_sum,
+    torch.testing.assert_close(per_sequence.index_add(0, seq, mean_logit.double()), plain.logits_sum,
                                rtol=1e-5, atol=1e-5)
     for got, want in zip(lean_grads, plain_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -194,3 +199,51 @@ def test_lean_falls_back_to_plain_for_post_processed_logits():
     assert lean_lm_head(model) is model.lm_head and final_logit_softcap(model) == 30.0
     model.config.logit_scale = 0.5  # Cohere-style scaling after the lm_head: computed on the full logits
     assert lean_lm_head(model) is None
+
+
+def test_auto_chunk_is_the_largest_under_half_the_floor_and_is_the_chunk_used(monkeypatch, tmp_path):
+    """--logps-chunk-tokens auto: the chunk is the largest whose fp32 logits and gradient fit in half of the
+    stage's floor ((T + V) x H elements), so it grows with the row, the width and the dtype's size and shrinks
+    with the vocabulary; forward_logps runs that many tokens per chunk (counted), with the values of an explicit
+    chunk; the flag takes 'auto' or a number and refuses anything else in one line."""
+    from ds_packdpo.config import parse_train_args
+    from ds_packdpo.errors import InputError
+    from ds_packdpo.model import logps
+    from ds_packdpo.model.build import build_model
+    from ds_packdpo.model.collate import collate_packed
+    from ds_packdpo.model.guard import synthetic_pairs
+
+    for tokens, hidden, vocab, size in [(8192, 512, 32000, 4), (16384, 4096, 128256, 2), (7, 3, 11, 4)]:
+        chunk = logps.auto_chunk_tokens(tokens, hidden, vocab, size)
+        floor = (tokens + vocab) * hidden * size
+        assert 8 * chunk * vocab <= 0.5 * floor < 8 * (chunk + 1) * vocab or chunk == 1, (tokens, chunk)
+    assert logps.auto_chunk_tokens(8192, 512, 32000, 4) == 160
+    assert logps.auto_chunk_tokens(16384, 512, 32000, 4) > 160 > logps.auto_chunk_tokens(8192, 512, 64000, 4)
+    assert logps.auto_chunk_tokens(8192, 512, 32000, 2) < 160 < logps.auto_chunk_tokens(8192, 1024, 32000, 4)
+
+    vocab = 300
+    model = build_model(None, "tiny", vocab, torch.float32, "sdpa", seed=0)
+    batch = collate_packed(synthetic_pairs(6, vocab, seed=1), list(range(6)), 0)
+    chunk = logps.auto_chunk_tokens(batch.input_ids.numel(), 64, vocab, 4)
+    scored = int((batch.labels != -100).sum())
+    assert 1 < chunk < scored // 2  # several chunks here, so the count below tells chunk sizes apart
+    sizes = []
+    real_chunk_logits = logps._chunk_logits
+    monkeypatch.setattr(logps, "_chunk_logits", lambda chunk_, *a: sizes.append(chunk_.shape[0])
+                        or real_chunk_logits(chunk_, *a))
+    with torch.no_grad():
+        auto = logps.forward_logps(model, batch, "sdpa")
+        assert sizes[:-1] == [chunk] * (len(sizes) - 1) and sum(sizes) == scored
+        sizes.clear()
+        explicit = logps.forward_logps(model, batch, "sdpa", chunk_tokens=chunk + 3)
+        assert sizes[0] == chunk + 3
+    torch.testing.assert_close(auto.logps, explicit.logps, rtol=1e-7, atol=1e-6)  # other chunks: other matmul blocks
+
+    assert parse_train_args([]).logps_chunk == "auto"
+    assert parse_train_args(["--logps-chunk-tokens", "256"]).logps_chunk == 256
+    for bad in ("0", "-3", "big", "1.5"):
+        with pytest.raises(InputError, match="^--logps-chunk-tokens must be 'auto' or a number >= 1"):
+            parse_train_args(["--logps-chunk-tokens", bad])
+    config_file = tmp_path / "settings.json"  # a config file may give the count as a JSON number
+    config_file.write_text(json.dumps({"logps_chunk_tokens": 96}))
+    assert parse_train_args(["--config", str(config_file)]).logps_chunk == 96

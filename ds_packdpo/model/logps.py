@@ -14,8 +14,11 @@ Two implementations, one result:
   lm_head matmul (the recomputation).  Under ZeRO-3 the head weight is gathered
   once per forward and once per backward, not once per chunk.
 
-Token log-probs are then summed per sequence with one ``index_add`` over the
-sequence index (in fp64) - no loop over sequences.  The scored tokens of a row
+Each token's log-prob comes out in fp64 (:func:`_target_logps`; the logits stay fp32) and
+the token log-probs are summed per sequence with one ``index_add`` over the
+sequence index - no loop over sequences.  The sums are accumulated and KEPT in fp64 up to the
+loss: a 16k-token sum is ~1e5 nats, whose fp32 spacing (8e-3) dwarfs the DPO margin's
+exactness, and the margin subtracts four of them.  The scored tokens of a row
 (:func:`scored_tokens`) are its labelled positions plus, in a prefix-shared row, each
 prompt's last position once more for the rejected completion's first token: one hidden
 state, two targets, still no ``[T, V]`` logits.
@@ -37,16 +40,20 @@ if TYPE_CHECKING:
     from .collate import ModelBatch
 
 __all__ = ["SequenceLogps", "sequence_logps", "model_forward_kwargs", "forward_logps", "completion_token_logps",
-           "lean_token_logps", "lean_lm_head", "final_logit_softcap", "scored_tokens", "LOGPS_IMPLS"]
+           "lean_token_logps", "lean_lm_head", "final_logit_softcap", "scored_tokens", "auto_chunk_tokens",
+           "LOGPS_IMPLS", "AUTO_CHUNK"]
 
 
 @dataclass
 class SequenceLogps:
-    """Per-sequence sums in canonical order: sequence 2p is the chosen of pair p, 2p+1 its rejected."""
+    """Per-sequence sums in canonical order: sequence 2p is the chosen of pair p, 2p+1 its rejected.
 
-    logps: torch.Tensor       # [S] float32, sum of completion-token log-probs (differentiable)
-    tokens: torch.Tensor      # [S] float32, completion token counts
-    logits_sum: torch.Tensor  # [S] float32, sum over completion tokens of logits.mean(-1) (detached)
+    All fp64 (see the module docstring): a few numbers per sequence, so the loss's four-way difference is exact
+    at any length."""
+
+    logps: torch.Tensor       # [S] float64, sum of completion-token log-probs (differentiable)
+    tokens: torch.Tensor      # [S] float64, completion token counts
+    logits_sum: torch.Tensor  # [S] float64, sum over completion tokens of logits.mean(-1) (detached)
 
     @property
     def chosen_logps(self) -> torch.Tensor:
@@ -73,6 +80,22 @@ class SequenceLogps:
         return self.logits_sum[1::2]
 
 
+def _target_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp64 log-prob of each target, fp32 logsumexp for the backward, fp32 vocab-mean logit) of fp32 logits
+    ``[C, V]``, which it overwrites (the exp is taken in place: one ``[C, V]`` buffer per chunk, not two).
+
+    The row max and the target logit are exact in fp64; the sum of ``exp(logit - max)`` stays fp32 (it lies in
+    [1, V], relative error ~1e-8) and its log is taken in fp64.  Rounding the ~10-nat result to fp32 per token
+    instead cost 6e-6 nats per 512-token sum and 4e-5 per 16k-token one (random fp32 logits, V=1024, against an
+    fp64 log_softmax); this costs 1.3e-6 and 1.5e-6 there, and no ``[C, V]`` tensor is ever fp64.
+    """
+    target = logits.gather(1, targets[:, None]).squeeze(1).double()
+    mean_logit = logits.mean(dim=-1)
+    peak = logits.max(dim=-1, keepdim=True).values
+    logsumexp = peak.squeeze(1).double() + logits.sub_(peak).exp_().sum(dim=-1).double().log_()
+    return target - logsumexp, logsumexp.float(), mean_logit
+
+
 class _LabelLogProb(torch.autograd.Function):
     """log_softmax(logits)[row, target] and logits[row].mean() for selected rows, chunked.
 
@@ -84,15 +107,13 @@ class _LabelLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_2d, rows, targets, chunk_tokens):
         count = rows.numel()
-        token_logps = logits_2d.new_empty(count, dtype=torch.float32)
+        token_logps = logits_2d.new_empty(count, dtype=torch.float64)
         logsumexp = logits_2d.new_empty(count, dtype=torch.float32)
         mean_logit = logits_2d.new_empty(count, dtype=torch.float32)
         for start in range(0, count, chunk_tokens):
             span = slice(start, start + chunk_tokens)
             chunk = logits_2d.index_select(0, rows[span]).float()
-            logsumexp[span] = torch.logsumexp(chunk, dim=-1)
-            token_logps[span] = chunk.gather(1, targets[span, None]).squeeze(1) - logsumexp[span]
-            mean_logit[span] = chunk.mean(dim=-1)
+            token_logps[span], logsumexp[span], mean_logit[span] = _target_logps(chunk, targets[span])
         ctx.save_for_backward(logits_2d, rows, targets, logsumexp)
         ctx.chunk_tokens = chunk_tokens
         ctx.mark_non_differentiable(mean_logit)
@@ -106,7 +127,7 @@ class _LabelLogProb(torch.autograd.Function):
         for start in range(0, rows.numel(), ctx.chunk_tokens):
             span = slice(start, start + ctx.chunk_tokens)
             g = grad_token_logps[span, None]
-            chunk_grad = (logits_2d.index_select(0, rows[span]).float() - logsumexp[span, None]).exp_().mul_(-g)
+            chunk_grad = logits_2d.index_select(0, rows[span]).float().sub_(logsumexp[span, None]).exp_().mul_(-g)
             chunk_grad.scatter_add_(1, targets[span, None], g)
             grad.index_add_(0, rows[span], chunk_grad.to(grad.dtype))  # a prompt's last row is scored twice when shared
         return grad, None, None, None
@@ -132,13 +153,14 @@ def _plain_logps_at(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Ten
 
 
 def _per_sequence(seq, token_logps, mean_logit, num_sequences: int) -> SequenceLogps:
-    """Sums per canonical sequence (``seq``: the sequence of each scored token), accumulated in fp64 and then cast
-    to fp32: ``index_add`` adds token by token, and in fp32 a 4,000-nat sum drifted by up to 1.5e-3 nats that way,
-    ~6x worse than a pairwise fp32 sum (and the layouts add a sequence's tokens in different orders)."""
+    """Sums per canonical sequence (``seq``: the sequence of each scored token), accumulated and returned in fp64:
+    ``index_add`` adds token by token, and in fp32 a 4,000-nat sum drifted by up to 1.5e-3 nats that way (the
+    layouts add a sequence's tokens in different orders); rounding the fp64 sum to fp32 afterwards still cost
+    2.6e-4 nats at 512 tokens.  The gradient flows back to the fp32 token log-probs through the cast."""
     zeros = torch.zeros(num_sequences, dtype=torch.float64, device=token_logps.device)
 
     def summed(values: torch.Tensor) -> torch.Tensor:
-        return zeros.index_add(0, seq, values.double()).float()
+        return zeros.index_add(0, seq, values.double())
 
     return SequenceLogps(logps=summed(token_logps), tokens=summed(torch.ones_like(token_logps)),
                          logits_sum=summed(mean_logit))
@@ -153,6 +175,10 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.
 
 # ----------------------------------------------------------------------------- lean: no [T, V] logits
 LOGPS_IMPLS = ("lean", "plain")
+AUTO_CHUNK = "auto"
+# The chunk's logits and gradient may take this share of the stage's floor (:func:`auto_chunk_tokens`); chosen on
+# scripts/bench_logps.py (README, "Lean log-probs").
+AUTO_CHUNK_FRACTION = 0.5
 # Config keys of architectures whose forward rescales the lm_head output (Cohere, Granite): the lean path applies
 # the lm_head itself and would skip that, so those models take the plain path.  Gemma 2/3's final soft-cap
 # (``final_logit_softcapping``) the lean path applies itself (:func:`final_logit_softcap`).
@@ -227,14 +253,12 @@ class _LeanLabelLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, weight, bias, low_in, low_weight, head, low_head, spans, softcap):
         count = hidden.shape[0]
-        token_logps = hidden.new_empty(count, dtype=torch.float32)
+        token_logps = hidden.new_empty(count, dtype=torch.float64)
         logsumexp = hidden.new_empty(count, dtype=torch.float32)
         mean_logit = hidden.new_empty(count, dtype=torch.float32)
         for span in spans:
             logits, _ = _capped(_chunk_logits(hidden[span], weight, bias, low_in, low_weight, span), softcap)
-            logsumexp[span] = torch.logsumexp(logits, dim=-1)
-            token_logps[span] = logits.gather(1, targets[span, None]).squeeze(1) - logsumexp[span]
-            mean_logit[span] = logits.mean(dim=-1)
+            token_logps[span], logsumexp[span], mean_logit[span] = _target_logps(logits, targets[span])
         ctx.save_for_backward(hidden, targets, logsumexp, low_in)
         ctx.head, ctx.low_head, ctx.spans, ctx.softcap = head, low_head, spans, softcap
         ctx.mark_non_differentiable(mean_logit)
@@ -256,7 +280,7 @@ class _LeanLabelLogProb(torch.autograd.Function):
             chunk = hidden[span]
             g = grad_token_logps[span, None]
             logits, squashed = _capped(_chunk_logits(chunk, weight, bias, low_in, low_weight, span), ctx.softcap)
-            grad_logits = (logits - logsumexp[span, None]).exp_().mul_(-g)
+            grad_logits = logits.sub_(logsumexp[span, None]).exp_().mul_(-g)  # in place: one [C, V] buffer
             grad_logits = grad_logits.scatter_add_(1, targets[span, None], g)
             if squashed is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh(x / cap)^2
                 grad_logits = grad_logits.mul_(1 - squashed.square_())
@@ -336,14 +360,41 @@ def _final_hidden_states(model, batch: ModelBatch, attn: str) -> torch.Tensor:
     return output.hidden_states[-1]
 
 
-def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096, impl: str = "lean") -> SequenceLogps:
+def auto_chunk_tokens(row_tokens: int, hidden_size: int, vocab_size: int, hidden_bytes: int,
+                      fraction: float = AUTO_CHUNK_FRACTION) -> int:
+    """The largest chunk whose fp32 logits and their gradient (``2 x chunk x V x 4`` bytes) stay under
+    ``fraction`` of the stage's floor: what it holds whatever the chunk, the row's final hidden states and the
+    lm_head's weight gradient, ``(T + V) x H`` elements of the model's dtype.  At least one token.
+
+    The floor is the memory the stage cannot go below (a fused kernel holds it too), so sizing the chunk from it
+    keeps the chunks' share of the peak bounded at any length, vocabulary and width: a fixed 1024 tokens' logits
+    and gradient (262 MB at a 32k vocabulary) were 3.2x the floor of an 8k-token row of width 512.
+    """
+    floor_bytes = (row_tokens + vocab_size) * hidden_size * hidden_bytes
+    return max(1, int(fraction * floor_bytes) // (2 * vocab_size * 4))
+
+
+def _chunk_for(chunk_tokens: int | str, model, batch: ModelBatch) -> int:
+    """``chunk_tokens``, or for ``"auto"`` :func:`auto_chunk_tokens` of this row and this model."""
+    if chunk_tokens != AUTO_CHUNK:
+        return chunk_tokens
+    lm = hf_model(model)
+    config = lm.config.get_text_config()
+    return auto_chunk_tokens(batch.input_ids.numel(), config.hidden_size, config.vocab_size,
+                             torch.empty((), dtype=lm.dtype).element_size())
+
+
+def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK,
+                  impl: str = "lean") -> SequenceLogps:
     """One forward of ``model`` (an nn.Module or a DeepSpeed engine) on ``batch``, reduced per sequence.
 
     ``impl="lean"`` never holds the ``[T, V]`` logits; a model whose logits are not
     just its (soft-capped) lm_head's output falls back to ``plain`` with a warning.
+    ``chunk_tokens``: completion tokens per chunk, or ``"auto"`` (:func:`auto_chunk_tokens`).
     """
     if impl not in LOGPS_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(LOGPS_IMPLS)}, got {impl!r}")
+    chunk_tokens = _chunk_for(chunk_tokens, model, batch)
     head = lean_lm_head(model) if impl == "lean" else None
     if impl == "lean" and head is None:
         warnings.warn("lean log-probs: this model post-processes its logits or has no linear lm_head; "

@@ -37,7 +37,7 @@ from ..model.torch_varlen import TORCH_VARLEN
 from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
-from ..model.logps import SequenceLogps, forward_logps
+from ..model.logps import AUTO_CHUNK, SequenceLogps, forward_logps
 from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
 from ..model.losses import LossConfig
 from ..model.prefix_attention import PREFIX_FLASH
@@ -286,7 +286,7 @@ class Run:
     def reference_is_precomputed(self) -> bool:
         return isinstance(self.reference, PrecomputedReference)
 
-    def _forward(self, model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096, impl: str = "lean"):
+    def _forward(self, model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK, impl: str = "lean"):
         """One forward's per-sequence log-probs; under sequence parallelism each rank runs its slice."""
         if self.sequence_parallel is not None:
             return self.sequence_parallel.forward_logps(model, batch, attn, chunk_tokens, impl)
@@ -294,7 +294,7 @@ class Run:
 
     def forward_logps(self, model, batch: ModelBatch) -> SequenceLogps:
         cfg = self.setup.cfg
-        return self._forward(model, batch, self.setup.model_attn, cfg.logps_chunk_tokens, cfg.logps_impl)
+        return self._forward(model, batch, self.setup.model_attn, cfg.logps_chunk, cfg.logps_impl)
 
     def reference_logps(self, batch: ModelBatch) -> SequenceLogps | None:
         """The reference log-probs of ``batch``: looked up, run without gradients (a reference model, or the LoRA

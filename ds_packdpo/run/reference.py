@@ -7,7 +7,8 @@ looks them up by pair id instead of running and holding a second model.
 
 The file is ``FILE`` (JSON lines, or Parquet for a name ending in ``.parquet``),
 one record per pair: ``pair_id``, ``chosen_logps``, ``rejected_logps`` and the
-completion token counts (IPO normalizes per token), next to ``FILE.meta.json``
+completion token counts (IPO normalizes per token), the sums in fp64 (a JSON number written
+with every digit of the double, a Parquet ``double`` column), next to ``FILE.meta.json``
 holding the fingerprint of everything that decides those numbers: the reference
 model (a folder: its config and weight files; a hub id: its commit; a built config:
 the config and the seed), the tokenizer, the tokenized dataset (content, format, truncation) and the
@@ -34,7 +35,9 @@ from ..model.build import load_model_config
 from ..model.logps import SequenceLogps
 from .engines import zero_stage
 
-FORMAT_VERSION = 1
+# 2: sums stored and read in fp64 (version 1 held their fp32 rounding, 2.6e-4 nats off at 512 tokens); a version-1
+# file is refused by the fingerprint check rather than read as if exact.
+FORMAT_VERSION = 2
 RECORD_KEYS = ("pair_id", "chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")
 OUTPUT_SUFFIXES = (".jsonl", ".parquet")
 # Files of an HF model folder that decide its outputs (weights: all shards; configs).
@@ -164,7 +167,7 @@ class PrecomputedReference:
     """Reference log-probs of every pair of the run, aligned with the dataset's positional pair index."""
 
     def __init__(self, values: torch.Tensor):
-        self.values = values  # [pairs, 4] float32: chosen, rejected logps; chosen, rejected token counts
+        self.values = values  # [pairs, 4] float64: chosen, rejected logps; chosen, rejected token counts
 
     @classmethod
     def load(cls, path, fingerprint: dict, pair_ids) -> PrecomputedReference:
@@ -193,7 +196,7 @@ class PrecomputedReference:
             raise InputError(f"{label}: no reference log-probs for pair_id {missing[0]} "
                              f"({len(missing)} of the run's {len(pair_ids)} pairs are missing)")
         rows = np.asarray([position[int(pair_id)] for pair_id in pair_ids], dtype=np.int64)
-        table = np.stack([np.asarray(columns[k], dtype=np.float32)[rows] for k in RECORD_KEYS[1:]], axis=1)
+        table = np.stack([np.asarray(columns[k], dtype=np.float64)[rows] for k in RECORD_KEYS[1:]], axis=1)
         return cls(torch.from_numpy(table))
 
     def sequence_logps(self, batch) -> SequenceLogps:
@@ -201,7 +204,7 @@ class PrecomputedReference:
         device = batch.input_ids.device
         rows = self.values[batch.pair_indices.cpu()].to(device)
         return SequenceLogps(logps=rows[:, 0:2].reshape(-1), tokens=rows[:, 2:4].reshape(-1),
-                             logits_sum=torch.zeros(2 * rows.shape[0], device=device))
+                             logits_sum=torch.zeros(2 * rows.shape[0], dtype=torch.float64, device=device))
 
 
 def load_precomputed_reference(setup) -> PrecomputedReference | None:

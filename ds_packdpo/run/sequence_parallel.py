@@ -40,7 +40,7 @@ from transformers import AttentionInterface, modeling_flash_attention_utils
 from ..errors import InputError
 from ..model.attention import PACKED_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, is_flash, refuse_unsupported_kwargs
 from ..model.collate import IGNORE_INDEX, ModelBatch, PrefixLayout
-from ..model.logps import SequenceLogps, forward_logps
+from ..model.logps import AUTO_CHUNK, SequenceLogps, forward_logps
 from ..model.prefix_attention import flash_shared_prefix, shared_prefix_attention
 from ..model.torch_varlen import TORCH_VARLEN
 from .layout import ParallelLayout
@@ -272,7 +272,7 @@ class SequenceParallel:
     group: object  # the SP process group
     pad_token_id: int
 
-    def forward_logps(self, model, batch: ModelBatch, attn: str, chunk_tokens: int = 4096,
+    def forward_logps(self, model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK,
                       impl: str = "lean") -> SequenceLogps:
         """Per-sequence log-probs of the whole row, on every rank of the group, from this rank's slice."""
         local = slice_row(batch, self.size, self.rank, self.pad_token_id)
