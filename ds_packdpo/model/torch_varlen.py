@@ -30,6 +30,11 @@ import inspect
 
 import torch
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch before 2.10: no such kernel
+    varlen_attn = None
+
 from .collate import PrefixLayout
 from .prefix_attention import flash_segments
 
@@ -44,9 +49,7 @@ CAUSAL = (-1, 0)
 def varlen_kernel():
     """``(varlen_attn, takes_enable_gqa)`` of the installed torch, or None when it has no usable one (before 2.11:
     no ``window_size``, through which causality is asked for)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    if varlen_attn is None:
         return None
     parameters = inspect.signature(varlen_attn).parameters
     if "window_size" not in parameters:
