@@ -15,14 +15,13 @@ import time
 import pytest
 import torch
 from launching import cpu_env, rank_module, ranks_module, read_metrics, run
-from test_checkpoint import SCHEDULE, flags
+from test_checkpoint import RUN_SETTINGS, SCHEDULE, TIMING, flags
 
 from ds_packdpo.run.checkpoint import LATEST
 from ds_packdpo.run.manifest import MANIFEST_FILE
 
 SEED = int(os.environ.get("DS_PACKDPO_CHAOS_SEED", "28"))
 STEPS = 6
-TIMING = ("step_time_s", "tokens_per_s", "pairs_per_s")
 # how a step is laid out, not what it computes: differs between 2 ranks and 1
 LAYOUT_KEYS = ("rows_per_rank", "max_rank_tokens", "mean_rank_tokens")
 ACROSS_LAYOUTS = 1e-4  # relative: the trajectory bound of design invariant 2 (fp32), as test_checkpoint's resume
@@ -81,7 +80,8 @@ def test_chaos_kills_and_resumes_end_where_the_uninterrupted_run_ends(tmp_path, 
     # the 2-rank part is the uninterrupted run bitwise: every metric and the weights of its last checkpoint
     two_ranks = schedule[2][2] - 1
     logged = read_metrics(tmp_path / "chaos" / "metrics.jsonl")
-    assert [without(r, TIMING) for r in logged[:two_ranks]] == [without(r, TIMING) for r in reference[:two_ranks]]
+    measured = (*TIMING, *RUN_SETTINGS)  # a resumed run's first record also reports the engine's settings
+    assert [without(r, measured) for r in logged[:two_ranks]] == [without(r, measured) for r in reference[:two_ranks]]
     mine, theirs = (fp32_weights(root / "checkpoints" / f"global_step{two_ranks}") for root in
                     (tmp_path / "chaos", tmp_path / "straight"))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
@@ -101,8 +101,8 @@ def test_chaos_kills_and_resumes_end_where_the_uninterrupted_run_ends(tmp_path, 
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))  # every step logged once
     largest = 0.0
     for got, want in zip(logged[converted:], reference[converted:]):
-        assert set(got) == set(want)
-        for key, value in without(want, TIMING + LAYOUT_KEYS).items():
+        assert set(got) - RUN_SETTINGS == set(want) - RUN_SETTINGS
+        for key, value in without(want, (*TIMING, *RUN_SETTINGS, *LAYOUT_KEYS)).items():
             if isinstance(value, float):
                 assert got[key] == pytest.approx(value, rel=ACROSS_LAYOUTS, abs=1e-6), (got["step"], key)
                 largest = max(largest, abs(got[key] - value) / max(abs(value), 1e-12))

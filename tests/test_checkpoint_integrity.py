@@ -12,7 +12,7 @@ import pytest
 import torch
 from launching import cpu_env, rank_module, read_metrics, run
 from test_bad_input import assert_one_line_error
-from test_checkpoint import fake_checkpoint, flags
+from test_checkpoint import RUN_SETTINGS, TIMING, fake_checkpoint, flags
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
@@ -130,7 +130,7 @@ def test_a_full_disk_ends_the_save_in_one_line_and_keeps_the_last_checkpoint(tmp
                          "relaunch with --resume auto"), last
     assert (save_dir / LATEST).read_text() == "global_step2" and not (save_dir / "global_step4").exists()
     assert resolve_checkpoint(save_dir, "--resume")[0] == save_dir / "global_step2"
-    timing = ("step_time_s", "tokens_per_s", "pairs_per_s")
+    timing = (*TIMING, *RUN_SETTINGS)  # measured, and the engine's settings a resumed run's first record reports
     first = [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
     assert [r["step"] for r in first] == [1, 2, 3, 4]
 

@@ -4,6 +4,7 @@ written (run/memory_estimate.py).  How the estimate compares with a measured pea
 
 from __future__ import annotations
 
+
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.model.build import build_model
+from ds_packdpo.model.logps import auto_chunk_tokens
 from ds_packdpo.run.assemble import prepare
 from ds_packdpo.run.memory_estimate import estimate_memory, layer_activation_elements, parameter_counts
 
@@ -58,7 +60,8 @@ def test_estimate_parts(tmp_path):
     assert acts["checkpointed"] < acts["full"]
     assert acts["full"] == ((model.config.num_hidden_layers + 1) * base["row_tokens"]
                             * layer_activation_elements(model.config) * 4 + 2 * base["row_tokens"] * 64 * 4)
-    assert base["logps_chunk"] == 3 * min(1024, base["row_tokens"]) * setup_vocab * 4
+    auto = auto_chunk_tokens(base["row_tokens"], model.config.hidden_size, setup_vocab, 4)  # the default: auto, fp32
+    assert base["logps_chunk"] == 3 * min(auto, base["row_tokens"]) * setup_vocab * 4
     assert estimate("--logps-chunk-tokens", "16")["logps_chunk"] == 3 * 16 * setup_vocab * 4
     checkpointed = estimate("--gradient-checkpointing")
     assert checkpointed["total"] == base["total_other_checkpointing"] < base["total"]

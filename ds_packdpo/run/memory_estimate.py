@@ -23,6 +23,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from transformers import AutoModelForCausalLM
 
 from .assemble import RunSetup, model_config, reference_model_config
+from ..model.logps import auto_chunk_tokens
 from .engines import zero_stage
 
 GIB = 2**30
@@ -78,7 +79,10 @@ def estimate_memory(setup: RunSetup) -> dict:
     # backward holds the gradients of one layer's activations as it runs; a recomputed layer's own come on top
     activations = {"full": (layers + 1) * per_layer + 2 * tokens * hf_config.hidden_size * element,
                    "checkpointed": layers * tokens * hf_config.hidden_size * element + 2 * per_layer}
-    chunk_tokens = tokens if cfg.logps_impl == "plain" else min(cfg.logps_chunk_tokens, tokens)
+    chunk = cfg.logps_chunk
+    if chunk == "auto":  # what the lean head will pick for a full row (model/logps.auto_chunk_tokens)
+        chunk = auto_chunk_tokens(tokens, hf_config.hidden_size, hf_config.vocab_size, element)
+    chunk_tokens = tokens if cfg.logps_impl == "plain" else min(chunk, tokens)
     logps_chunk = 3 * chunk_tokens * hf_config.vocab_size * 4
     kept = "checkpointed" if cfg.gradient_checkpointing else "full"
     return {"parameters": total, "largest_layer_parameters": largest, "world_size": world,
