@@ -58,7 +58,9 @@ class TrainConfig:
                                 "it.")
     dtype: str = _opt("Precision: auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16. Flash attention runs bf16 only.",
                       "auto", DTYPES)
-    attn: str = _opt("Attention backend: auto, sdpa, eager, flex_attention, flash_attention_2, flash_attention_3.", "auto")
+    attn: str = _opt("Attention backend: auto (flash-attn, else torch_varlen on CUDA in bf16; sdpa_varlen on CPU and in "
+                     "fp32), sdpa_varlen, torch_varlen, sdpa, eager, flex_attention, flash_attention_2, "
+                     "flash_attention_3.", "auto")
     trust_remote_code: bool = _opt("Allow custom modelling code from model folders (off by default).", False)
     # --- LoRA (peft: pip install -e '.[lora]') ---
     lora_r: int = _opt("LoRA rank: train low-rank adapters on the frozen (ZeRO-sharded) base weights; the reference is "
