@@ -25,9 +25,10 @@ from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
 from .data.run_plan import checked_plan_config, run_plan
 from .data.source import prepare_run_data, split_held_out, tokenizer_and_rows
-from .errors import InputError, PeerFailureError, run_guarded
+from .errors import InputError, PeerFailureError, StoppedError, run_guarded
 from .files import check_output_file
 from .run.build_lock import remove_stale_locks
+from .run.launch_group import LaunchOutcome, run_launcher
 from .run.layout import ParallelLayout, free_port
 
 # The commands that run a model import DeepSpeed and the model stack (seconds, and DeepSpeed probes the
@@ -36,15 +37,37 @@ from .run.layout import ParallelLayout, free_port
 LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
-def _launch(argv: list[str], procs: int, master_port: int | None, module: str, verbose: bool = False) -> int:
-    """Re-runs this command (``module``) under the deepspeed launcher (arguments as a list, never through a shell)."""
+def _launch(argv: list[str], procs: int, master_port: int | None, module: str, verbose: bool = False,
+            grace_s: float = 20.0, save_dir: Path | None = None) -> int:
+    """Re-runs this command (``module``) under the deepspeed launcher (arguments as a list, never through a shell),
+    in a session of its own: SIGTERM/SIGINT to this process reach every rank (run/launch_group.py)."""
     # with DS_ACCELERATOR=cpu on a machine without CUDA (_cpu_unless_cuda)
     device_type = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda"
     env = rank_environment(dict(os.environ), procs, device_type)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, *launcher_options(verbose), "--num_gpus", str(procs), "--master_port",
            str(master_port or free_port()), "--module", module, *argv]
-    return launcher_status(subprocess.call(cmd, env=env))
+    outcome = run_launcher(cmd, env, grace_s)
+    if outcome.signal_name is None:
+        return launcher_status(outcome.code)
+    return stop_status(outcome, grace_s, save_dir)
+
+
+def stop_status(outcome: LaunchOutcome, grace_s: float, save_dir: Path | None) -> int:
+    """Our exit code after a stop signal: 7 (StoppedError) unless the job finished first (0) or failed on its own
+    (a rank's code 2-6).  Rank 0 printed the ``stopped:`` line when the ranks saved and exited 7; otherwise it is
+    said here, with the checkpoint to resume from."""
+    if outcome.code == StoppedError.exit_code and not outcome.killed:
+        return StoppedError.exit_code
+    if not outcome.killed and outcome.code in (0, 2, 3, 4, 5, 6):
+        return outcome.code
+    latest = save_dir / "latest" if save_dir is not None else None
+    tag = latest.read_text().strip() if latest is not None and latest.is_file() else None
+    how = (f"the ranks did not stop within --stop-grace-s {grace_s:g} s and were killed" if outcome.killed
+           else f"the ranks ended without a stop checkpoint (the launcher exited {outcome.code})")
+    resume = f"resume with --resume auto (tag {tag})" if tag else "no checkpoint to resume from"
+    print(f"stopped: {outcome.signal_name}; {how}; {resume}", file=sys.stderr)
+    return StoppedError.exit_code
 
 
 def launcher_status(code: int) -> int:
@@ -173,7 +196,11 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
     code = run_guarded(check)
     if code:
         return code
-    return _launch(rest, procs, launch.master_port, module, verbose=validated[0].verbose)
+    from .run.checkpoint import resolved_save_dir  # torch: phase one has imported it already
+
+    cfg = validated[0]
+    return _launch(rest, procs, launch.master_port, module, verbose=cfg.verbose, grace_s=cfg.stop_grace_s,
+                   save_dir=resolved_save_dir(cfg))
 
 
 def _launch_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:

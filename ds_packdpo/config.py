@@ -174,6 +174,9 @@ class TrainConfig:
                                "OUTPUT_DIR/hf_model, in --dtype.", False)
     max_shard_size: str = _opt("Largest safetensors file of --export-on-end (e.g. 5GB, 500MB); a larger model is split "
                                "into several, with an index.", "5GB")
+    stop_grace_s: float = _opt("On SIGTERM or SIGINT to 'ds-packdpo train' every rank stops at the next step boundary, "
+                               "saves a checkpoint (with --save-steps or --save-dir) and exits 7; after this many "
+                               "seconds the ranks still running are killed (Slurm kills at 30 s).", 20.0)
     max_bad_steps: int = _opt("A step with a NaN/inf loss or gradient is skipped; abort after this many in a row.", 3)
     # --- training at scale: activation checkpointing, LR schedule, held-out evaluation ---
     gradient_checkpointing: bool = _opt(
@@ -306,6 +309,8 @@ class TrainConfig:
             raise InputError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise InputError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
+        if not 0 < self.stop_grace_s < math.inf:
+            raise InputError(f"--stop-grace-s must be > 0 seconds, got {self.stop_grace_s}")
         if self.collective_timeout_s <= 0:
             raise InputError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         if self.model is not None and self.model_config is not None:

@@ -51,6 +51,13 @@ class DiskFullError(RunAbortedError):
     exit_code = 6
 
 
+class StoppedError(RunAbortedError):
+    """The run stopped at a step boundary because a rank received SIGTERM or SIGINT (a scheduler's cancel or
+    pre-emption, Ctrl-C); its message is the ``stopped: ...`` line (rank 0's; empty on the other ranks)."""
+
+    exit_code = 7
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message (its type name when it has none), for one-line errors."""
     text = str(error).strip()
@@ -62,5 +69,6 @@ def run_guarded(job: Callable[[], int]) -> int:
     try:
         return job()
     except (InputError, RunAbortedError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        if str(error):  # a stop's line names itself; the other ranks of a stop say nothing
+            print(str(error) if isinstance(error, StoppedError) else f"error: {error}", file=sys.stderr)
         return error.exit_code

@@ -22,9 +22,9 @@ from ..config import TrainConfig
 from ..data.run_plan import plan_figures, run_plan
 from ..errors import PeerFailureError, RunAbortedError, TooManyBadStepsError, first_line
 from ..model.losses import global_normalized_loss, metric_means, metric_sums, pair_losses
-from . import faults
+from . import faults, stop
 from .assemble import Run, RunSetup, prepare, start
-from .checkpoint import Checkpointer, ResumePoint, resolved_save_dir
+from .checkpoint import Checkpointer, ResumePoint, resolved_save_dir, tag_name
 from .evaluation import due as evaluation_due
 from .evaluation import evaluate
 from .export import export_checkpoint
@@ -207,6 +207,7 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
             if global_step >= steps:
                 break
             faults.kill_point(setup.layout.rank, global_step + 1)
+            faults.wait_for_stop(global_step + 1)
             armed = faults.arm_kill_in_model(run.policy.module, setup.layout.rank, global_step + 1)
             timer.begin()
             metrics = trainer.train_step(plan, inject_nan=faults.nan_step(global_step + 1))
@@ -235,6 +236,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
                                            f"loss or gradient (--max-bad-steps {cfg.max_bad_steps}); aborting")
             if checkpointer.due(global_step, last=global_step >= steps):
                 checkpointer.save(run.policy, global_step, *position, bad_steps)
+            if stop.agreed(run.device) and global_step < steps:  # every rank alike, at this step boundary
+                raise stop_here(checkpointer, run, global_step, position, bad_steps)
         if cfg.export_on_end and checkpointer.saved_step != global_step:  # the checkpoint the export reads
             checkpointer.save(run.policy, global_step, *position, bad_steps)
         writer.finish(history)
@@ -248,6 +251,18 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
     finally:
         writer.close()
     return history
+
+
+def stop_here(checkpointer: Checkpointer, run: Run, global_step: int, position: tuple[int, int],
+              bad_steps: int) -> Exception:
+    """A stop every rank agreed on after ``global_step``: its checkpoint (unless this step's is saved already, or
+    nothing is to be saved), the process group closed, and the error each rank exits with (code 7)."""
+    cfg = run.setup.cfg
+    if (cfg.save_steps or cfg.save_dir) and checkpointer.saved_step != global_step:
+        checkpointer.save(run.policy, global_step, *position, bad_steps)
+    close_process_group()
+    tag = tag_name(checkpointer.saved_step) if checkpointer.saved_step is not None else None
+    return stop.stopped(global_step, tag, run.setup.layout.rank)
 
 
 def train(cfg: TrainConfig) -> list[dict]:
