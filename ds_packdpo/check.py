@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import TrainConfig
+from .config import LARGEST_COUNT, TrainConfig
 from .errors import InputError
 from .model.attention import sliding_window_of
 from .model.guard import guard_pairs, packing_exactness
@@ -23,8 +23,8 @@ from .run.assemble import model_alone, prepare
 def run_check(cfg: TrainConfig, pairs: int = 4) -> dict:
     """The exactness report for the model of ``cfg``; the caller exits non-zero unless ok.  ``prefix_sharing`` holds the
     same comparison for prefix-shared rows when the backend runs them (else null)."""
-    if pairs < 1:
-        raise InputError(f"--pairs must be >= 1, got {pairs}")
+    if not 1 <= pairs <= LARGEST_COUNT:
+        raise InputError(f"--pairs must be in [1, {LARGEST_COUNT}], got {pairs}")
     requested = cfg.attn
     cfg = dataclasses.replace(cfg, max_pairs=min(pairs, cfg.max_pairs or pairs))
     setup = prepare(cfg, "check")

@@ -34,6 +34,7 @@ from .run.layout import ParallelLayout, free_port
 # The commands that run a model import DeepSpeed and the model stack (seconds, and DeepSpeed probes the
 # accelerator) inside their own function: prepare, pack-stats and report stay free of them.
 
+MAX_RANKS = 65536  # the largest world a launch or a plan is made for
 LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
@@ -137,8 +138,8 @@ def cmd_pack_stats(argv: list[str]) -> int:
 
     def job() -> int:
         cfg = config_from_args(args)
-        if args.world_size < 1:
-            raise InputError(f"--world-size must be >= 1, got {args.world_size}")
+        if not 1 <= args.world_size <= MAX_RANKS:
+            raise InputError(f"--world-size must be in [1, {MAX_RANKS}], got {args.world_size}")
         if args.plan_out:
             check_output_file(args.plan_out, "--plan-out", overwrite=True)  # the plan is derived data
         layout = ParallelLayout(world_size=args.world_size, sp_size=cfg.sequence_parallel_size)
@@ -188,7 +189,7 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
 
     def check() -> int:
         """Phase one runs here too, so bad input fails before any rank starts."""
-        _check_procs(procs)
+        _check_procs(procs, launch.master_port)
         validated.append(validate(rest, procs))
         remove_stale_locks()  # a stale one would hang every rank in init_distributed, with no output
         return 0
@@ -206,7 +207,7 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
 def _launch_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
     """(--num-procs/--master-port, the rest of ``argv``, the ranks to start) of a front command; on a machine
     without CUDA the ranks will run on CPU."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre = FlagParser(prog="ds-packdpo", add_help=False)  # a bad value: one line, as every flag's
     pre.add_argument("--num-procs", type=int, default=None)
     pre.add_argument("--master-port", type=int, default=None)
     launch, rest = pre.parse_known_args(argv)
@@ -215,9 +216,17 @@ def _launch_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], int
     return launch, rest, procs
 
 
-def _check_procs(procs: int) -> None:
-    if procs < 1:
-        raise InputError(f"--num-procs must be >= 1, got {procs}")
+def _check_procs(procs: int, master_port: int | None = None) -> None:
+    """--num-procs and --master-port as the launcher and the OS take them: ranks the machine can start (one per GPU
+    on CUDA), a TCP port."""
+    if not 1 <= procs <= MAX_RANKS:
+        raise InputError(f"--num-procs must be in [1, {MAX_RANKS}], got {procs}")
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise InputError(f"--master-port must be a TCP port in [1, 65535], got {master_port}")
+    import torch
+
+    if torch.cuda.is_available() and procs > torch.cuda.device_count():
+        raise InputError(f"--num-procs {procs}: this machine has {torch.cuda.device_count()} GPUs (one rank each)")
 
 
 def _default_procs() -> int:
@@ -256,14 +265,14 @@ def cmd_train(argv: list[str]) -> int:
 def dry_run(argv: list[str]) -> int:
     """``train --dry-run``: phase one of the run the flags describe (settings, data, plan, resume point) in this
     process, then its plan line and a per-GPU memory estimate.  No process group, no rank, no output folder."""
-    _, rest, procs = _launch_options(argv)
+    launch, rest, procs = _launch_options(argv)
 
     def job() -> int:
         from .run.assemble import prepare
         from .run.memory_estimate import describe_estimate, estimate_memory
         from .run.trainer import describe_plan, plan_summary
 
-        _check_procs(procs)
+        _check_procs(procs, launch.master_port)
         setup = prepare(parse_train_args(rest), "train", world_size=procs, dry_run=True)
         print(describe_plan(plan_summary(setup)))
         print(describe_estimate(estimate_memory(setup)), flush=True)

@@ -31,6 +31,8 @@ DTYPES = ("auto", "fp32", "bf16")
 # --report-to's names -> the DeepSpeed config's monitor sections
 MONITORS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": "csv_monitor", "comet": "comet"}
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+LARGEST_COUNT = 2**31 - 1  # token counts, steps and sizes end in int32 tensors and indices
+LARGEST_SEED = 2**32 - 1  # numpy's seeds
 
 
 def _opt(help_text: str, default=None, choices=None, **meta):
@@ -281,7 +283,11 @@ class TrainConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise InputError(f"--{flag(f.name)} must be a finite number, got {value}")
-        for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon"):
+            if isinstance(value, int) and not isinstance(value, bool) and value > LARGEST_COUNT and f.name != "seed":
+                raise InputError(f"--{flag(f.name)} must be at most {LARGEST_COUNT}, got {value}")
+        if not 0 <= self.seed <= LARGEST_SEED:
+            raise InputError(f"--seed must be in [0, {LARGEST_SEED}] (numpy's seeds), got {self.seed}")
+        for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight", "rpo_alpha"):
             if getattr(self, key) < 0:
                 raise InputError(f"--{flag(key)} must be >= 0, got {getattr(self, key)}")
         positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "sequence_parallel_size",

@@ -175,7 +175,7 @@ BAD_CONFIGS = {
     "negative weight decay": (lambda d: ["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
     "negative max grad norm": (lambda d: ["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0, got -1.0"),
     "negative warm-up": (lambda d: ["--warmup-steps", "-3"], "--warmup-steps must be >= 0, got -3"),
-    "zero ranks": (lambda d: ["--num-procs", "0"], "--num-procs must be >= 1, got 0"),
+    "zero ranks": (lambda d: ["--num-procs", "0"], "--num-procs must be in [1, 65536], got 0"),
     "DeepSpeed stage 7": (lambda d: ["--ds-config", _ds_config(d, json.dumps({"zero_optimization": {"stage": 7}}))],
                           "ds.json: 'zero_optimization.stage': Input should be 0, 1, 2, 3"),
     "DeepSpeed unknown ZeRO key": (

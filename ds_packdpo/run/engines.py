@@ -23,6 +23,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from ..config import TrainConfig, read_mapping
 from ..errors import InputError, first_line
+from ..model.config_rules import check_forward_rules, check_model_folder
 from ..model.build import TORCH_DTYPES, build_model, load_model_config, load_pretrained_config
 from ..model.lora import LoraSettings, add_adapters
 from ..model.param_groups import weight_decay_groups
@@ -283,12 +284,19 @@ def _frozen(cfg: TrainConfig, model_path: str | None, ref_ds: dict, vocab_size: 
 def model_config(cfg: TrainConfig, vocab_size: int):
     """The policy's HF config alone (cheap: no weights; a hub id fetches its config.json into the hub cache)."""
     if cfg.model is not None:
-        return load_pretrained_config(cfg.model, "--model", cfg.revision, cfg.trust_remote_code)
-    return load_model_config(cfg.model_config or "tiny", vocab_size, check_buildable=True)
+        config = load_pretrained_config(cfg.model, "--model", cfg.revision, cfg.trust_remote_code)
+        check_model_folder(cfg.model, config, vocab_size, own_tokenizer=cfg.tokenizer is None)
+    else:
+        config = load_model_config(cfg.model_config or "tiny", vocab_size, check_buildable=True)
+    check_forward_rules(config, f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}")
+    return config
 
 
 def reference_model_config(cfg: TrainConfig, vocab_size: int):
     """The reference's HF config: --ref-model's, else the policy's."""
     if cfg.ref_model is not None:
-        return load_pretrained_config(cfg.ref_model, "--ref-model", None, cfg.trust_remote_code)
+        config = load_pretrained_config(cfg.ref_model, "--ref-model", None, cfg.trust_remote_code)
+        check_model_folder(cfg.ref_model, config, vocab_size, own_tokenizer=False, where="--ref-model")
+        check_forward_rules(config, f"--ref-model {cfg.ref_model}")
+        return config
     return model_config(cfg, vocab_size)
