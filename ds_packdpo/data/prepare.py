@@ -43,6 +43,8 @@ from .rows import BadRow, completion_messages, field_value, kind_of, message_lis
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt", *MULTI_RESPONSE_FORMATS)
 ON_BAD_ROW = ("error", "skip")
+BAD_ROWS_NAMED = 10  # the bad rows one error names (all are counted)
+MOST = 0.5  # truncation of more than this fraction of the prompts or the completions is said on stderr
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 SHAREGPT_SPELLING = {chat: source for source, chat in SHAREGPT_ROLES.items()}  # errors name roles as the file does
@@ -342,7 +344,7 @@ def _validate(records: list[tuple[str, object]], cfg: DataConfig, label: str
     grouped = fmt in MULTI_RESPONSE_FORMATS
     read = GroupLayout.of(fmt, cfg.prompt_column, objects).read if grouped else (
         lambda row: _normalize_row(row, fmt, cfg))
-    valid, bad = [], Counter()
+    valid, bad, named = [], Counter(), []
     for index, (where, value) in enumerate(records):
         try:
             if isinstance(value, BadRow):
@@ -351,9 +353,16 @@ def _validate(records: list[tuple[str, object]], cfg: DataConfig, label: str
                 raise BadRow("not_an_object", f"a row must be an object, got {kind_of(value)}")
             valid.append((index, read(value)))
         except BadRow as problem:
-            if cfg.on_bad_row == "error":
-                raise InputError(f"{label} {where}: {problem.detail}") from None
             bad[problem.reason] += 1
+            if len(named) < BAD_ROWS_NAMED:
+                named.append(f"{where}: {problem.detail}")
+    if bad and cfg.on_bad_row == "error":  # every bad row of the file in one pass, the first few named
+        total = sum(bad.values())
+        if total == 1:
+            raise InputError(f"{label} {named[0]}")
+        more = f"; and {total - len(named)} more" if total > len(named) else ""
+        raise InputError(f"{label}: {total} bad rows: {'; '.join(named)}{more} (fix them, or pass --on-bad-row "
+                         f"skip to leave them out)")
     if not valid:
         raise InputError(f"{label}: no valid {'groups' if grouped else 'pairs'} (bad rows: {dict(bad)})")
     if grouped:
@@ -591,6 +600,10 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     stats = {name: table.column(name).to_numpy(zero_copy_only=False) for name in _STAT_COLUMNS}
     lengths = {name: _list_lengths(table, f"{name}_ids") for name in ("prompt", "chosen", "rejected")}
 
+    if bad:  # --on-bad-row skip: said, not only counted in the summary
+        reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(bad.items()))
+        warnings.warn(f"{label}: skipped {sum(bad.values())} of {rows} rows (--on-bad-row skip): {reasons}",
+                      stacklevel=3)
     drop_reason = stats["drop_reason"]
     kept = np.flatnonzero(drop_reason == "")
     dropped = bad + Counter(drop_reason[drop_reason != ""].tolist())
@@ -622,7 +635,22 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     }
     if groups is not None:
         summary["multi_response"] = groups
+    warn_if_mostly_truncated(cfg, summary)
     return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint, lengths["prompt"])
+
+
+def warn_if_mostly_truncated(cfg: DataConfig, summary: dict) -> None:
+    """Truncation of most prompts or most completions (``--max-length 4`` cut every prompt to one token) is said on
+    stderr with its counts: it changes what trains, and a run that exits 0 hides it in data_summary.json."""
+    kept, prompts, completions = summary["kept"], summary["prompt_truncated"], summary["completion_truncated"]
+    if max(prompts, completions) <= MOST * kept:
+        return
+    limits = f"--max-length {cfg.max_length}" + (f", --max-prompt-length {cfg.max_prompt_length}"
+                                                  if cfg.max_prompt_length else "")
+    dropped = summary["dropped"].get("no_room_for_completion", 0)
+    lost = f"; {dropped} pairs dropped with no room left for a completion" if dropped else ""
+    warnings.warn(f"{summary['dataset']}: truncation ({limits}) cut {prompts} of {kept} prompts and {completions} of "
+                  f"{kept} pairs' completions{lost}", stacklevel=3)
 
 
 # ----------------------------------------------------------------------------- outputs

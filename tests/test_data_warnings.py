@@ -1,0 +1,60 @@
+"""What a data setting destroys is said on stderr, not only counted in data_summary.json: truncation of most
+prompts or completions, rows left out by --on-bad-row skip; and every bad row of a file is found in one pass."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from launching import run
+from test_data import standard_rows
+
+from ds_packdpo.data.prepare import BAD_ROWS_NAMED, DataConfig, prepare_pairs
+from ds_packdpo.errors import InputError
+
+
+def long_rows(n: int = 8) -> list[dict]:
+    return [{"prompt": f"question {i} " * 6, "chosen": f"good answer {i} " * 4, "rejected": f"bad answer {i} " * 4}
+            for i in range(n)]
+
+
+def test_max_length_that_cuts_most_pairs_is_said_on_stderr(tmp_path, demo_tokenizer):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(long_rows()))
+    demo_tokenizer.save_pretrained(tmp_path / "tokenizer")
+    flags = ["--dataset", str(path), "--cache-dir", str(tmp_path / "cache"), "--tokenizer", str(tmp_path / "tokenizer")]
+    cut = run([sys.executable, "-m", "ds_packdpo.cli", "prepare", *flags, "--max-length", "4"])
+    summary = json.loads(cut.stdout)
+    assert summary["prompt_truncated"] == summary["kept"] == 8
+    assert (f"{path}: truncation (--max-length 4) cut 8 of 8 prompts and {summary['completion_truncated']} of 8 "
+            f"pairs' completions") in cut.stderr
+    whole = run([sys.executable, "-m", "ds_packdpo.cli", "prepare", *flags])  # the default length cuts nothing
+    assert json.loads(whole.stdout)["prompt_truncated"] == 0 and "truncation" not in whole.stderr
+
+
+def test_skipped_rows_are_said_with_count_and_reasons(tmp_path, demo_tokenizer):
+    rows = standard_rows(6)
+    rows[1], rows[4] = {"prompt": "q", "chosen": "c"}, 7
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    with pytest.warns(UserWarning, match=rf"{path}: skipped 2 of 6 rows \(--on-bad-row skip\): missing_field 1, "
+                                         rf"not_an_object 1$"):
+        prepared = prepare_pairs(DataConfig(str(path), on_bad_row="skip", cache_dir=str(tmp_path / "c")),
+                                 demo_tokenizer)
+    assert prepared.summary["kept"] == 4
+
+
+def test_every_bad_row_of_a_file_in_one_error(tmp_path, demo_tokenizer):
+    rows = standard_rows(30)
+    bad_at = list(range(2, 26, 2))  # 12 bad rows: the first 10 named, all counted
+    for index in bad_at:
+        rows[index] = {"prompt": "q", "chosen": None, "rejected": "r"}
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    with pytest.raises(InputError) as error:
+        prepare_pairs(DataConfig(str(path), cache_dir=str(tmp_path / "c")), demo_tokenizer)
+    named = "; ".join(f"row {index}: field 'chosen' is null" for index in bad_at[:BAD_ROWS_NAMED])
+    assert str(error.value) == (f"{path}: 12 bad rows: {named}; and 2 more (fix them, or pass --on-bad-row skip to "
+                                f"leave them out)")
+    assert "\n" not in str(error.value)
