@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from .config import parse_train_args
 from .errors import run_guarded
-from .run import stop
 from .run.process_group import exit_rank
 from .run.trainer import train
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop.install()  # SIGTERM/SIGINT: stop at the next step boundary, saved (run/stop.py)
-
     def job() -> int:
         train(parse_train_args(argv, prog="ds_packdpo.train"))
         return 0

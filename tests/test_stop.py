@@ -42,7 +42,7 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 @pytest.mark.multirank
-def test_sigterm_to_train_stops_every_rank_saved_and_resume_continues(tmp_path):
+def test_sigterm_to_train_stops_every_rank_saved_and_resume_continues(tmp_path, capsys):
     argv = flags(tmp_path, "run", "--save-dir", str(tmp_path / "ckpt"))  # no --save-steps: the stop alone saves
     with subprocess.Popen(front(*argv), cwd=REPO, env=cpu_env(**{WAIT_FOR_STOP_ENV: str(STOP_AT)}), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True) as proc:
@@ -60,6 +60,9 @@ def test_sigterm_to_train_stops_every_rank_saved_and_resume_continues(tmp_path):
                                                f"--resume auto (tag global_step{STOP_AT})"), stderr[-3000:]
     assert "another rank died" not in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert stop_s < 20  # within the default --stop-grace-s: the ranks stopped themselves
+    with capsys.disabled():
+        print(f"\nstop: SIGTERM as step {STOP_AT} ran; the ranks saved global_step{STOP_AT} and exited 7 "
+              f"{stop_s:.1f} s after the signal")
     assert (tmp_path / "ckpt" / LATEST).read_text() == f"global_step{STOP_AT}"
     assert (tmp_path / "ckpt" / f"global_step{STOP_AT}" / MANIFEST_FILE).is_file()
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, STOP_AT + 1))

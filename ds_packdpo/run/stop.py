@@ -26,7 +26,10 @@ def _note(signum, frame) -> None:
 
 
 def install() -> None:
-    """From now on SIGTERM and SIGINT ask this rank to stop at the next step boundary (no KeyboardInterrupt)."""
+    """From now on SIGTERM and SIGINT ask this rank to stop at the next step boundary (no KeyboardInterrupt).
+
+    Installed as the loop starts: before it (phase one, the engines) there is nothing to save, and a signal ends the
+    rank at once, as a launcher that stops a dead rank's peers expects."""
     for signum in SIGNALS:
         signal.signal(signum, _note)
 

@@ -202,6 +202,7 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
     global_step, bad_steps = start.global_step, start.bad_steps
     position = (start.epoch, start.epoch_step)  # plan position of the next step
     plans = run_plan(setup.prepared, setup.plan_cfg, cfg.epochs, start_epoch=start.epoch, start_step=start.epoch_step)
+    stop.install()  # from here a SIGTERM/SIGINT stops at a step boundary, saved; before, it ends the rank at once
     try:
         for plan in plans:  # collectives here fail fast on a dead peer, after --collective-timeout-s on a stalled one
             if global_step >= steps:
