@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpu_env, read_metrics, run
+from launching import REPO, cpu_env, ranks_module, read_metrics, run
 from test_checkpoint import RUN_SETTINGS, TIMING, flags
 
 from ds_packdpo import cli
 from ds_packdpo.errors import StoppedError
 from ds_packdpo.run.checkpoint import LATEST
 from ds_packdpo.run.faults import WAIT_FOR_STOP_ENV
+from ds_packdpo.run.launch_group import rank_processes
 from ds_packdpo.run.layout import free_port
 from ds_packdpo.run.manifest import MANIFEST_FILE
 
@@ -76,6 +77,29 @@ def test_sigterm_to_train_stops_every_rank_saved_and_resume_continues(tmp_path, 
     for got, want in zip(stopped_and_resumed, read_metrics(tmp_path / "straight" / "metrics.jsonl"), strict=True):
         keep = set(want) - set(TIMING) - RUN_SETTINGS
         assert {k: got[k] for k in keep} == {k: want[k] for k in keep}, got["step"]
+
+
+@pytest.mark.multirank
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """The flag is agreed (all-reduced) at every step boundary: rank 1 alone gets SIGTERM, both ranks save the same
+    step and exit 7 (a rank that stopped alone would leave the other in its next collective)."""
+    argv = flags(tmp_path, "run", "--save-dir", str(tmp_path / "ckpt"))
+    with subprocess.Popen(ranks_module(2, "ds_packdpo.train", *argv), cwd=REPO, text=True,
+                          env=cpu_env(**{WAIT_FOR_STOP_ENV: str(STOP_AT)}), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, start_new_session=True) as proc:
+        try:
+            wait_for_step(tmp_path / "run" / "metrics.jsonl", STOP_AT - 1, proc)
+            (rank1,) = [rank for rank in rank_processes(proc.pid) if "--local_rank=1" in rank.cmdline()]
+            rank1.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == StoppedError.exit_code, stderr[-3000:]
+    assert (f"stopped: a stop signal to another rank after step {STOP_AT}, checkpoint saved; resume with --resume "
+            f"auto (tag global_step{STOP_AT})") in stderr.splitlines(), stderr[-3000:]
+    tag = tmp_path / "ckpt" / f"global_step{STOP_AT}"
+    assert (tag / MANIFEST_FILE).is_file() and len(list(tag.glob("*zero_pp_rank_*_optim_states.pt"))) == 2
 
 
 FAKE_LAUNCHER = """#!{python}

@@ -5,8 +5,8 @@
     ``backward`` (inside the backward, as the gradient reaches that layer), ``save`` (the step's checkpoint: every
     rank's files written, no manifest yet), ``universal`` (rank 0 converting checkpoint STEP for --allow-new-layout:
     the universal form written, not yet renamed into place).
-``DS_PACKDPO_FAULT_WAIT_FOR_STOP=STEP``  as optimizer step STEP begins every rank waits (up to 120 s) for a stop
-    signal (run/stop.py), so a test's SIGTERM lands at a known step however fast the steps run.
+``DS_PACKDPO_FAULT_WAIT_FOR_STOP=STEP``  as optimizer step STEP begins every rank waits (up to 120 s) until a stop
+    signal reached any rank (run/stop.py), so a test's SIGTERM lands at a known step however fast the steps run.
 ``DS_PACKDPO_FAULT_NAN_STEPS=S1,S2``  the loss of those optimizer steps is NaN on every rank.
 ``DS_PACKDPO_FAULT_DISK_FULL=RANK:STEP``  on rank RANK the checkpoint of step STEP runs out of space in DeepSpeed's
     writer: the first ``*optim_states.pt`` gets half its bytes, then ``OSError(ENOSPC)``.
@@ -51,11 +51,13 @@ def kill_point(rank: int, step: int, point: str = "step") -> None:
         die()
 
 
-def wait_for_stop(step: int) -> None:
+def wait_for_stop(step: int, device) -> None:
+    """Every rank polls the agreed stop flag (a collective: all leave the loop together), so a signal to one rank
+    alone is enough."""
     if os.environ.get(WAIT_FOR_STOP_ENV) != str(step):
         return
     waited_until = time.monotonic() + 120
-    while stop.requested() is None and time.monotonic() < waited_until:
+    while not stop.agreed(device) and time.monotonic() < waited_until:
         time.sleep(0.05)
 
 

@@ -208,7 +208,7 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
             if global_step >= steps:
                 break
             faults.kill_point(setup.layout.rank, global_step + 1)
-            faults.wait_for_stop(global_step + 1)
+            faults.wait_for_stop(global_step + 1, run.device)
             armed = faults.arm_kill_in_model(run.policy.module, setup.layout.rank, global_step + 1)
             timer.begin()
             metrics = trainer.train_step(plan, inject_nan=faults.nan_step(global_step + 1))
