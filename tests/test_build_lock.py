@@ -61,7 +61,7 @@ def test_front_command_removes_a_stale_lock_and_launches(tmp_path, monkeypatch, 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     lock = make_lock(tmp_path / "ext", "deepspeed_shm_comm", 3600)
     launched = []
-    monkeypatch.setattr(cli, "_launch", lambda argv, procs, port, module, verbose=False: launched.append((procs, module)) or 0)
+    monkeypatch.setattr(cli, "_launch", lambda argv, procs, port, module, **kwargs: launched.append((procs, module)) or 0)
     for key in cli.LAUNCHED_ENV:
         monkeypatch.delenv(key, raising=False)
     demo_tokenizer.save_pretrained(tmp_path / "tok")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import warnings
 
 import pytest
 
 from ds_packdpo import cli
 from ds_packdpo.console import quiet_libraries
+from ds_packdpo.run.launch_group import LaunchOutcome
 
 from launching import BIN, SMALL_RUN, read_metrics, run
 
@@ -40,7 +40,7 @@ def test_the_launch_is_quiet_and_shares_the_cores(monkeypatch):
     """The deepspeed launcher logs errors only, unless --verbose; on CPU each rank gets cores / ranks threads unless
     OMP_NUM_THREADS is set."""
     calls = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s: calls.append((cmd, env)) or LaunchOutcome(0))
     for key in cli.LAUNCHED_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
