@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
+
+SAID_ENV = "DS_PACKDPO_PHASE_ONE_SAID"  # set for the ranks of a front process that ran phase one itself
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -22,6 +25,14 @@ def quiet_libraries(verbose: bool) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 
+def say_warning(text: str) -> None:
+    """``warning: <text>`` on stderr, once per job: by the process that runs phase one first (the front process,
+    or rank 0 under a launcher started by hand), not again by every rank."""
+    if os.environ.get(SAID_ENV) or os.environ.get("RANK", "0") != "0":
+        return
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
 def launcher_options(verbose: bool) -> list[str]:
     """The deepspeed launcher's own logging: its INFO lines print the whole command of every rank."""
     return [] if verbose else ["--log_level", "error"]
@@ -29,7 +40,9 @@ def launcher_options(verbose: bool) -> list[str]:
 
 def rank_environment(env: dict, procs: int, device_type: str) -> dict:
     """The ranks' environment: on CPU each rank gets cores / ranks threads unless OMP_NUM_THREADS is set (torch's
-    default of every core per rank oversubscribes the machine ``procs`` times)."""
+    default of every core per rank oversubscribes the machine ``procs`` times); the front process has said phase
+    one's warnings (:func:`say_warning`)."""
+    env = {**env, SAID_ENV: "1"}
     if device_type == "cpu" and "OMP_NUM_THREADS" not in env:
         env = {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // procs))}
     return env

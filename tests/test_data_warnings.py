@@ -10,6 +10,7 @@ import pytest
 from launching import run
 from test_data import standard_rows
 
+from ds_packdpo.console import SAID_ENV
 from ds_packdpo.data.prepare import BAD_ROWS_NAMED, DataConfig, prepare_pairs
 from ds_packdpo.errors import InputError
 
@@ -27,22 +28,25 @@ def test_max_length_that_cuts_most_pairs_is_said_on_stderr(tmp_path, demo_tokeni
     cut = run([sys.executable, "-m", "ds_packdpo.cli", "prepare", *flags, "--max-length", "4"])
     summary = json.loads(cut.stdout)
     assert summary["prompt_truncated"] == summary["kept"] == 8
-    assert (f"{path}: truncation (--max-length 4) cut 8 of 8 prompts and {summary['completion_truncated']} of 8 "
-            f"pairs' completions") in cut.stderr
+    assert (f"warning: {path}: truncation (--max-length 4) cut 8 of 8 prompts and {summary['completion_truncated']} "
+            f"of 8 pairs' completions") in cut.stderr.splitlines()
     whole = run([sys.executable, "-m", "ds_packdpo.cli", "prepare", *flags])  # the default length cuts nothing
     assert json.loads(whole.stdout)["prompt_truncated"] == 0 and "truncation" not in whole.stderr
 
 
-def test_skipped_rows_are_said_with_count_and_reasons(tmp_path, demo_tokenizer):
+def test_skipped_rows_are_said_with_count_and_reasons(tmp_path, demo_tokenizer, capsys, monkeypatch):
     rows = standard_rows(6)
     rows[1], rows[4] = {"prompt": "q", "chosen": "c"}, 7
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows))
-    with pytest.warns(UserWarning, match=rf"{path}: skipped 2 of 6 rows \(--on-bad-row skip\): missing_field 1, "
-                                         rf"not_an_object 1$"):
-        prepared = prepare_pairs(DataConfig(str(path), on_bad_row="skip", cache_dir=str(tmp_path / "c")),
-                                 demo_tokenizer)
+    monkeypatch.delenv(SAID_ENV, raising=False)
+    prepared = prepare_pairs(DataConfig(str(path), on_bad_row="skip", cache_dir=str(tmp_path / "c")), demo_tokenizer)
     assert prepared.summary["kept"] == 4
+    said = f"warning: {path}: skipped 2 of 6 rows (--on-bad-row skip): missing_field 1, not_an_object 1"
+    assert capsys.readouterr().err.splitlines().count(said) == 1
+    monkeypatch.setenv(SAID_ENV, "1")  # a rank of a front process that said it already
+    prepare_pairs(DataConfig(str(path), on_bad_row="skip", cache_dir=str(tmp_path / "c")), demo_tokenizer)
+    assert said not in capsys.readouterr().err
 
 
 def test_every_bad_row_of_a_file_in_one_error(tmp_path, demo_tokenizer):

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..console import say_warning
 from ..errors import InputError
 from ..files import atomic_write
 from .multi_response import (MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, columns_for, detect_layout,
@@ -602,8 +603,7 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
 
     if bad:  # --on-bad-row skip: said, not only counted in the summary
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(bad.items()))
-        warnings.warn(f"{label}: skipped {sum(bad.values())} of {rows} rows (--on-bad-row skip): {reasons}",
-                      stacklevel=3)
+        say_warning(f"{label}: skipped {sum(bad.values())} of {rows} rows (--on-bad-row skip): {reasons}")
     drop_reason = stats["drop_reason"]
     kept = np.flatnonzero(drop_reason == "")
     dropped = bad + Counter(drop_reason[drop_reason != ""].tolist())
@@ -649,8 +649,8 @@ def warn_if_mostly_truncated(cfg: DataConfig, summary: dict) -> None:
                                                   if cfg.max_prompt_length else "")
     dropped = summary["dropped"].get("no_room_for_completion", 0)
     lost = f"; {dropped} pairs dropped with no room left for a completion" if dropped else ""
-    warnings.warn(f"{summary['dataset']}: truncation ({limits}) cut {prompts} of {kept} prompts and {completions} of "
-                  f"{kept} pairs' completions{lost}", stacklevel=3)
+    say_warning(f"{summary['dataset']}: truncation ({limits}) cut {prompts} of {kept} prompts and {completions} of "
+                f"{kept} pairs' completions{lost}")
 
 
 # ----------------------------------------------------------------------------- outputs
