@@ -39,6 +39,7 @@ from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to
 from .data.plan import steps_per_epoch
 from .data.run_plan import run_plan
 from .errors import InputError, run_guarded
+from .files import check_creatable_folder
 from .model.build import tiny_config
 from .precompute_ref import precompute
 from .report import build_report, write_report_folder
@@ -120,6 +121,7 @@ def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> 
     out = Path(settings.out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not cfg.overwrite)):
         raise InputError(f"--out {out}: exists and is not an empty folder (pass --overwrite to replace it)")
+    check_creatable_folder(out, "--out")
     return cfg, settings
 
 

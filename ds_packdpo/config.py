@@ -25,6 +25,7 @@ from .data.plan import PlanConfig
 from .data.multi_response import PAIRS_FROM
 from .data.prepare import FORMATS, DataConfig
 from .errors import InputError
+from .files import check_creatable_folder
 from .hub import check_bare_name, check_model_source, is_hub_id
 
 DTYPES = ("auto", "fp32", "bf16")
@@ -319,6 +320,11 @@ class TrainConfig:
             raise InputError(f"--stop-grace-s must be > 0 seconds, got {self.stop_grace_s}")
         if self.collective_timeout_s <= 0:
             raise InputError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
+        for key in ("output_dir", "save_dir", "cache_dir"):  # folders the ranks make: the OS must let them
+            if getattr(self, key):
+                check_creatable_folder(getattr(self, key), f"--{flag(key)}")
+        if self.metrics_out:
+            check_creatable_folder(Path(self.metrics_out).parent, "--metrics-out")
         if self.model is not None and self.model_config is not None:
             raise InputError("--model and --model-config are exclusive: load a folder or build from a config")
         for key in ("model", "ref_model"):

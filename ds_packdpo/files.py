@@ -79,6 +79,23 @@ def atomic_folder(out, fill: Callable[[Path], object]) -> None:
     fsync_dir(out.parent)
 
 
+def check_creatable_folder(path, flag: str, named=None) -> None:
+    """A folder a run will write into (made if missing): its nearest existing ancestor is a folder this process can
+    make a folder in, so that no rank dies on the mkdir.  ``named``: the path the error names (a file in it)."""
+    path = Path(path).expanduser()
+    named = path if named is None else named
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise InputError(f"{flag} {named}: {existing} is not a folder")
+    try:  # a real folder made and removed: permissions, read-only mounts, /proc-like trees alike
+        os.rmdir(tempfile.mkdtemp(prefix=".ds_packdpo_probe_", dir=existing))
+    except OSError as error:
+        where = "" if existing == named else f" (in {existing})"
+        raise InputError(f"{flag} {named}: cannot write there{where}: {error.strerror}") from None
+
+
 def check_output_file(path, flag: str, overwrite: bool) -> None:
     """An output file's path, checked before any work: not a folder, in a folder, no silent overwrite."""
     path = Path(path)
@@ -86,5 +103,6 @@ def check_output_file(path, flag: str, overwrite: bool) -> None:
         raise InputError(f"{flag} {path}: is a folder; give the file to write")
     if path.parent.exists() and not path.parent.is_dir():
         raise InputError(f"{flag} {path}: {path.parent} is not a folder")
+    check_creatable_folder(path.parent, flag, named=path)
     if path.exists() and not overwrite:
         raise InputError(f"{flag} {path}: file exists (pass --overwrite to replace it)")

@@ -32,7 +32,7 @@ FRONT_ONLY = {"--num-procs": int, "--master-port": int}
 NEGATIVE_OK = {"--simpo-gamma"}  # a target margin may be negative
 BAD_TEXT = {int: ["-1", "-7", str(2**63), "1.5", "x", ""], float: ["nan", "inf", "-inf", "-1", "1e400", "x"]}
 OTHER = {int: ["0", "1", "3", "64", str(2**31)], float: ["0", "0.5", "1", "2", "1e-12"],
-         str: ["", "/nonexistent/x", "a,b", "./nope"]}  # no bare names: a hub lookup retries for 23 s offline
+         str: ["", "/proc/ds_packdpo_fuzz/x", "a,b", "./nope"]}  # no bare names: a hub lookup retries for 23 s offline
 
 
 class Launched(Exception):
@@ -170,3 +170,14 @@ def test_random_combinations_end_in_one_line_or_a_launch(attempt, capsys):
         outcomes["launched" if launched else "refused"] += 1
     with capsys.disabled():
         print(f"flag combinations seed {SEED}: {outcomes}")
+
+
+@pytest.mark.parametrize("command, flag", [("train", "--output-dir"), ("train", "--save-dir"), ("prepare", "--cache-dir"),
+                                           ("train", "--metrics-out"), ("pack-stats", "--plan-out"),
+                                           ("prepare", "--out"), ("bench", "--out")])
+def test_an_output_path_the_os_refuses_is_refused_in_phase_one(attempt, command, flag):
+    """/proc takes no new folder, even for root: without the check the first mkdir (a rank's) raised a traceback."""
+    code, err, launched = attempt(command, f"{flag}=/proc/ds_packdpo_fuzz/x")
+    assert not launched and code == 2
+    assert err.strip().splitlines()[-1].startswith(f"error: {flag} /proc/ds_packdpo_fuzz"), err
+    assert "cannot write there (in /proc)" in err

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from ..config import DTYPES
 from ..errors import InputError, first_line
+from ..files import check_creatable_folder
 from ..model.build import TORCH_DTYPES
 from ..model.hf_folder import DEFAULT_MAX_SHARD_SIZE, WeightsSource, shard_size_bytes, write_hf_folder
 from ..model.lora import ADAPTER_CONFIG_FILE, merged_weights, write_adapter_folder
@@ -38,6 +39,7 @@ def check_export_target(out: Path, overwrite: bool) -> None:
         raise InputError(f"--out {out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise InputError(f"--out {out}: folder is not empty (pass --overwrite to replace it)")
+    check_creatable_folder(out.parent, "--out", named=out)  # the folder is filled beside it, then renamed
 
 
 def unreadable_shard(tag_dir: Path) -> Path | None:
