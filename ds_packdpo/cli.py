@@ -64,8 +64,11 @@ def stop_status(outcome: LaunchOutcome, grace_s: float, save_dir: Path | None) -
         return outcome.code
     latest = save_dir / "latest" if save_dir is not None else None
     tag = latest.read_text().strip() if latest is not None and latest.is_file() else None
-    how = (f"the ranks did not stop within --stop-grace-s {grace_s:g} s and were killed" if outcome.killed
-           else f"the ranks ended without a stop checkpoint (the launcher exited {outcome.code})")
+    if outcome.killed:
+        how = ("a second signal killed the ranks" if outcome.repeated
+               else f"the ranks did not stop within --stop-grace-s {grace_s:g} s and were killed")
+    else:
+        how = f"the ranks ended without a stop checkpoint (the launcher exited {outcome.code})"
     resume = f"resume with --resume auto (tag {tag})" if tag else "no checkpoint to resume from"
     print(f"stopped: {outcome.signal_name}; {how}; {resume}", file=sys.stderr)
     return StoppedError.exit_code

@@ -128,3 +128,18 @@ def test_ranks_that_outlive_stop_grace_s_are_killed(tmp_path, monkeypatch, capsy
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"stopped: SIGTERM; the ranks did not stop within --stop-grace-s {grace_s:g} s and were killed; resume with "
         f"--resume auto (tag global_step3)")
+
+
+def test_a_second_signal_kills_at_once(tmp_path, monkeypatch, capsys):
+    launcher = tmp_path / "bin" / "deepspeed"
+    launcher.parent.mkdir()
+    launcher.write_text(FAKE_LAUNCHER.format(python=sys.executable))
+    launcher.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{launcher.parent}{os.pathsep}{os.environ['PATH']}")
+    for delay, signum in ((0.5, signal.SIGINT), (1.0, signal.SIGINT)):  # Ctrl-C twice
+        threading.Timer(delay, os.kill, (os.getpid(), signum)).start()
+    started = time.monotonic()
+    code = cli._launch([], 2, free_port(), "ds_packdpo.train", grace_s=30, save_dir=tmp_path / "none")
+    assert code == StoppedError.exit_code and time.monotonic() - started < 3
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "stopped: SIGINT; a second signal killed the ranks; no checkpoint to resume from")

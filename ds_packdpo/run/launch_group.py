@@ -48,6 +48,7 @@ class LaunchOutcome:
     code: int
     signal_name: str | None = None
     killed: bool = False
+    repeated: bool = False  # a second signal came (and killed at once)
 
 
 @dataclass
@@ -102,4 +103,4 @@ def run_launcher(cmd: list[str], env: dict, grace_s: float) -> LaunchOutcome:
         if killed or forwarder.received:
             _signal_session(proc.pid, signal.SIGKILL)  # nothing of the session outlives a stop
     name = signal.Signals(forwarder.received[0]).name if forwarder.received else None
-    return LaunchOutcome(code, name, killed)
+    return LaunchOutcome(code, name, killed, repeated=len(forwarder.received) > 1)
