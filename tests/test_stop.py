@@ -103,39 +103,51 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
 
 
 FAKE_LAUNCHER = """#!{python}
-import signal, time
+import os, signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ranks that never reach a step boundary
+if {signal_parent}:
+    time.sleep(0.5)
+    os.makedirs(os.path.dirname({latest!r}), exist_ok=True)
+    open({latest!r}, "w").write("global_step3")  # a checkpoint the run saved before
+    open({stamp!r}, "w").write(str(time.time()))
+    os.kill(os.getppid(), signal.SIGTERM)  # the scheduler's cancel, sent to the front process
 time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("grace_s", [0.5, 2.0])
-def test_ranks_that_outlive_stop_grace_s_are_killed(tmp_path, monkeypatch, capsys, grace_s):
-    """--stop-grace-s: after it the front process kills the launcher's whole session and says where to resume."""
+def fake_launcher(tmp_path, monkeypatch, signal_parent: bool = False) -> Path:
+    """A stand-in `deepspeed` first on PATH that ignores SIGTERM; with ``signal_parent`` it SIGTERMs the front
+    process 0.5 s after it starts (a ``latest`` in tmp_path/ckpt first) and writes the time it did so to the
+    returned file."""
+    stamp = tmp_path / "signalled_at"
     launcher = tmp_path / "bin" / "deepspeed"
     launcher.parent.mkdir()
-    launcher.write_text(FAKE_LAUNCHER.format(python=sys.executable))
+    launcher.write_text(FAKE_LAUNCHER.format(python=sys.executable, signal_parent=signal_parent, stamp=str(stamp),
+                                             latest=str(tmp_path / "ckpt" / LATEST)))
     launcher.chmod(0o755)
     monkeypatch.setenv("PATH", f"{launcher.parent}{os.pathsep}{os.environ['PATH']}")
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / LATEST).write_text("global_step3")
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    started = time.monotonic()
-    code = cli._launch([], 2, free_port(), "ds_packdpo.train", grace_s=grace_s, save_dir=tmp_path / "ckpt")
-    took = time.monotonic() - started
+    return stamp
+
+
+@pytest.mark.parametrize("grace_s", ["0.5", "2"])
+def test_ranks_that_outlive_stop_grace_s_are_killed(tmp_path, monkeypatch, capsys, grace_s):
+    """--stop-grace-s: after it the front process kills the launcher's whole session and says where to resume."""
+    for key in cli.LAUNCHED_ENV:
+        monkeypatch.delenv(key, raising=False)
+    stamp = fake_launcher(tmp_path, monkeypatch, signal_parent=True)
+    code = cli.main(["train", "--num-procs", "2", "--stop-grace-s", grace_s, "--save-dir", str(tmp_path / "ckpt"),
+                     "--output-dir", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
+                     "--synthetic-pairs", "16", "--max-length", "64"])
+    took = time.time() - float(stamp.read_text())
     assert code == StoppedError.exit_code
-    assert grace_s + 0.5 <= took < grace_s + 3
+    assert float(grace_s) <= took < float(grace_s) + 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"stopped: SIGTERM; the ranks did not stop within --stop-grace-s {grace_s:g} s and were killed; resume with "
+        f"stopped: SIGTERM; the ranks did not stop within --stop-grace-s {grace_s} s and were killed; resume with "
         f"--resume auto (tag global_step3)")
 
 
 def test_a_second_signal_kills_at_once(tmp_path, monkeypatch, capsys):
-    launcher = tmp_path / "bin" / "deepspeed"
-    launcher.parent.mkdir()
-    launcher.write_text(FAKE_LAUNCHER.format(python=sys.executable))
-    launcher.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{launcher.parent}{os.pathsep}{os.environ['PATH']}")
+    fake_launcher(tmp_path, monkeypatch)
     for delay, signum in ((0.5, signal.SIGINT), (1.0, signal.SIGINT)):  # Ctrl-C twice
         threading.Timer(delay, os.kill, (os.getpid(), signum)).start()
     started = time.monotonic()
