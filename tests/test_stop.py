@@ -103,7 +103,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
 
 
 FAKE_LAUNCHER = """#!{python}
-import os, signal, sys, time
+import os, signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ranks that never reach a step boundary
 if {signal_parent}:
     time.sleep(0.5)
