@@ -57,7 +57,7 @@ def _launch(argv: list[str], procs: int, master_port: int | None, module: str, v
 def stop_status(outcome: LaunchOutcome, grace_s: float, save_dir: Path | None) -> int:
     """Our exit code after a stop signal: 7 (StoppedError) unless the job finished first (0) or failed on its own
     (a rank's code 2-6).  Rank 0 printed the ``stopped:`` line when the ranks saved and exited 7; otherwise it is
-    said here, with the checkpoint to resume from."""
+    said here, with the newest checkpoint (``latest``, read after the launcher ended) to resume from."""
     if outcome.code == StoppedError.exit_code and not outcome.killed:
         return StoppedError.exit_code
     if not outcome.killed and outcome.code in (0, 2, 3, 4, 5, 6):
@@ -68,7 +68,7 @@ def stop_status(outcome: LaunchOutcome, grace_s: float, save_dir: Path | None) -
         how = ("a second signal killed the ranks" if outcome.repeated
                else f"the ranks did not stop within --stop-grace-s {grace_s:g} s and were killed")
     else:
-        how = f"the ranks ended without a stop checkpoint (the launcher exited {outcome.code})"
+        how = f"the launcher exited {outcome.code}"  # e.g. a scheduler signalled it too: it exits 1 after its ranks
     resume = f"resume with --resume auto (tag {tag})" if tag else "no checkpoint to resume from"
     print(f"stopped: {outcome.signal_name}; {how}; {resume}", file=sys.stderr)
     return StoppedError.exit_code

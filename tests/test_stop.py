@@ -22,7 +22,7 @@ from ds_packdpo import cli
 from ds_packdpo.errors import StoppedError
 from ds_packdpo.run.checkpoint import LATEST
 from ds_packdpo.run.faults import WAIT_FOR_STOP_ENV
-from ds_packdpo.run.launch_group import rank_processes
+from ds_packdpo.run.launch_group import LaunchOutcome, rank_processes
 from ds_packdpo.run.layout import free_port
 from ds_packdpo.run.manifest import MANIFEST_FILE
 
@@ -155,3 +155,15 @@ def test_a_second_signal_kills_at_once(tmp_path, monkeypatch, capsys):
     assert code == StoppedError.exit_code and time.monotonic() - started < 3
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "stopped: SIGINT; a second signal killed the ranks; no checkpoint to resume from")
+
+
+def test_the_front_process_exit_code_after_a_stop(tmp_path, capsys):
+    """7 when the ranks stopped (rank 0 said so), a job that finished or failed on its own keeps its code, anything
+    else (a launcher that a scheduler signalled too exits 1) is a stop said here with the newest checkpoint."""
+    (tmp_path / LATEST).write_text("global_step4")
+    assert cli.stop_status(LaunchOutcome(7, "SIGTERM"), 20, tmp_path) == 7
+    assert [cli.stop_status(LaunchOutcome(code, "SIGTERM"), 20, tmp_path) for code in (0, 2, 5, 6)] == [0, 2, 5, 6]
+    assert capsys.readouterr().err == ""
+    assert cli.stop_status(LaunchOutcome(1, "SIGTERM"), 20, tmp_path) == 7
+    assert capsys.readouterr().err == ("stopped: SIGTERM; the launcher exited 1; resume with --resume auto (tag "
+                                       "global_step4)\n")
