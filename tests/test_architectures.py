@@ -124,6 +124,20 @@ def test_attend_sequence_against_explicit_scores(window, softcap):
                                atol=1e-6)
 
 
+def test_fewer_queries_than_keys_backward():
+    """The lower-right causal bias (no mask tensor; what a prefix-shared rejected block runs on CUDA): gradients of
+    q, k and v equal those of the scores written out."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, requires_grad=True) for n in (4, 13, 13))
+    i, j = torch.arange(9, 13)[:, None], torch.arange(13)[None, :]
+    want = torch.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(j > i, float("-inf")), dim=-1) @ v
+    grad_out = torch.randn(want.shape, generator=g)
+    expected = torch.autograd.grad(want, (q, k, v), grad_out)
+    got = torch.autograd.grad(attend_sequence(q, k, v, 0.3), (q, k, v), grad_out)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- the guard
 
 
