@@ -199,3 +199,17 @@ def test_every_architecture_trains_on_two_zero3_ranks(tmp_path):
             # the metrics are fp32 sums over the step's pairs (all-reduced), then means: a few ulps of ~1,000 nats
             assert max(result["step1_logps_diff"]) <= 5e-7 * result["step1_logps_scale"], (arch, result)
             assert steps[-1]["loss"] < steps[0]["loss"], (arch, steps)
+
+
+def test_masked_calls_leave_cudnn_out_on_cuda():
+    """cuDNN's SDPA backward returned NaN query gradients with a mask tensor (pytorch#196678): masked calls on CUDA
+    run with it disabled, and the other fused kernels on; CPU calls are left as they are."""
+    from ds_packdpo.model.sequence_attention import mask_safe_kernels
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with mask_safe_kernels(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with mask_safe_kernels(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()

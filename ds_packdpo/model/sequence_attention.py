@@ -20,7 +20,8 @@ from torch.nn.attention.bias import causal_lower_right
 _WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _mask_safe_kernels(device: torch.device):
+def mask_safe_kernels(device: torch.device):
+    """The SDPA kernels a call with a mask tensor may take on ``device`` (all but cuDNN's on CUDA)."""
     return sdpa_kernel(_WITHOUT_CUDNN) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -51,7 +52,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     score modifier.  Without it this is torch's sdpa.
     """
     if softcap is None:
-        with _mask_safe_kernels(q.device):
+        with mask_safe_kernels(q.device):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     scores = torch.tanh(scores / softcap) * softcap
