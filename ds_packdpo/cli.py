@@ -210,13 +210,21 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
 def _launch_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
     """(--num-procs/--master-port, the rest of ``argv``, the ranks to start) of a front command; on a machine
     without CUDA the ranks will run on CPU."""
-    pre = FlagParser(prog="ds-packdpo", add_help=False)  # a bad value: one line, as every flag's
-    pre.add_argument("--num-procs", type=int, default=None)
-    pre.add_argument("--master-port", type=int, default=None)
-    launch, rest = pre.parse_known_args(argv)
+    launch, rest = launch_options_parser().parse_known_args(argv)
     procs = _default_procs() if launch.num_procs is None else launch.num_procs
     _cpu_unless_cuda()
     return launch, rest, procs
+
+
+def launch_options_parser() -> argparse.ArgumentParser:
+    """The options the front process of train, eval, precompute-ref and bench takes itself (not passed to ranks);
+    a bad value is one line, as every flag's."""
+    parser = FlagParser(prog="launch options", add_help=False)
+    parser.add_argument("--num-procs", type=int, default=None,
+                        help="Ranks to start on this machine. Default: one per GPU, or 2 on a machine without CUDA.")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="The rendezvous port of the ranks. Default: a free port.")
+    return parser
 
 
 def _check_procs(procs: int, master_port: int | None = None) -> None:
@@ -333,13 +341,17 @@ def cmd_export(argv: list[str]) -> int:
     return run_guarded(job)
 
 
-def cmd_verify_checkpoint(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ds-packdpo verify-checkpoint",
+def verify_checkpoint_parser() -> argparse.ArgumentParser:
+    parser = FlagParser(prog="ds-packdpo verify-checkpoint",
                                      description="Check checkpoints against their manifests (every file there, of its "
                                      "size and checksum), every rank's files, and that no pickle would run code; "
                                      "exit 0 all intact, 1 some damaged, 2 none intact.")
     parser.add_argument("folder", help="A checkpoint folder (global_stepN), or a --save-dir (each of its checkpoints).")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_verify_checkpoint(argv: list[str]) -> int:
+    args = verify_checkpoint_parser().parse_args(argv)
 
     def job() -> int:
         from .run.checkpoint import verify_checkpoint

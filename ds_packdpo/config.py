@@ -134,7 +134,10 @@ class TrainConfig:
                                    "chunk whose fp32 logits and gradient stay under half the stage's floor (the "
                                    "row's hidden states and the lm_head gradient).", "auto")
     logps_impl: str = _opt("Log-probs from chunks of the final hidden states, never the whole [tokens x vocab] logits "
-                           "(lean), or from the full logits (plain).", "lean", ("lean", "plain"))
+                           "(lean); from a fused linear-cross-entropy kernel that never writes logits at all (fused: "
+                           "cut-cross-entropy, CUDA, pip install -e '.[fused]'); or from the full logits (plain). "
+                           "auto: fused where it is installed and the model allows it, else lean.", "auto",
+                           ("auto", "lean", "fused", "plain"))
     # --- DeepSpeed ---
     ds_config: str = _opt("DeepSpeed config: a built-in name (zero3, zero3_offload, zero2: ds_configs/, shipped in the "
                           "package) or a JSON path.", "zero3")

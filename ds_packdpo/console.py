@@ -16,11 +16,25 @@ import warnings
 SAID_ENV = "DS_PACKDPO_PHASE_ONE_SAID"  # set for the ranks of a front process that ran phase one itself
 
 
+_PYTHON_FORMAT = warnings.formatwarning
+_OWN_CODE = f"{os.sep}ds_packdpo{os.sep}"
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """This package's own warnings as ``warning: <message>``, like its ``error:`` lines; Python's format (the file,
+    the line number and the source line of the ``warnings.warn`` call) says nothing to a user."""
+    if _OWN_CODE in filename and issubclass(category, UserWarning):
+        return f"warning: {message}\n"
+    return _PYTHON_FORMAT(message, category, filename, lineno, line)
+
+
 def quiet_libraries(verbose: bool) -> None:
-    """This process's share: FutureWarnings ignored, DeepSpeed's logger at ERROR (``verbose``: as the libraries
-    set them)."""
+    """This process's share: FutureWarnings ignored, DeepSpeed's logger at ERROR, this package's warnings one line
+    each (``verbose``: everything as the libraries and Python show it)."""
     if verbose:
+        warnings.formatwarning = _PYTHON_FORMAT
         return
+    warnings.formatwarning = one_line_warning
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 

@@ -23,13 +23,17 @@ from .run.process_group import exit_rank, run_rank_job
 from .run.reference import RECORD_KEYS, check_output_path, reference_fingerprint, write_reference
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute-ref"):
+def precompute_parser(prog: str = "ds-packdpo precompute-ref") -> FlagParser:
     parser = FlagParser(prog=prog, description="Reference log-probs of every pair, computed once, "
                                      "for 'ds-packdpo train --ref-logps FILE'. Takes the training flags.")
     add_arguments(parser)
     parser.add_argument("--out", default=None, help="The file to write: FILE.jsonl (or FILE.parquet), "
                         "with its fingerprint in FILE.meta.json.")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute-ref"):
+    args = precompute_parser(prog).parse_args(argv)
     return config_from_args(args), args.out
 
 

@@ -22,6 +22,7 @@ WHEELS=(
     "typing-extensions==4.16.0"
     "hjson==3.1.0"
     "trl==1.16.0"
+    "cut-cross-entropy==25.1.1"  # --logps-impl fused; its Triton comes with the image's CUDA torch
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version "$PYVER" \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \

@@ -161,7 +161,7 @@ def summarize(out: Path) -> int:
                          for name, r in runs.items()},
                "bench_same_trajectory": bench.get("same_trajectory"),
                "bench_skipped_packing_check": "--skip-packing-check" in json.dumps(bench.get("command", "")),
-               "trl": trl_report,
+               "trl": trl_report, "logps": _read_json(out / "logps.json"),
                "ours_over_trl_pairs_per_s": ours / trl_report["pairs_per_s"]
                if ours and trl_report and trl_report.get("pairs_per_s") else None,
                "environment": matrix.get("torch") and {"torch": matrix.get("torch"), "gpu": matrix.get("gpu"),

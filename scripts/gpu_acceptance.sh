@@ -15,6 +15,8 @@
 #   matrix   scripts/gpu_check.py: every architecture x {torch_varlen bf16, sdpa_varlen fp32/bf16}, packed and
 #            prefix-shared rows against eager one sequence at a time (log-probs and gradients), torch_varlen's
 #            causal alignment and GQA probes, the bf16 guard figures
+#   logps    scripts/gpu_logps.py: the log-prob stage of a 16k-token row at a 128k vocabulary, full logits vs lean
+#            chunks vs the fused kernel (cut-cross-entropy): peak memory, time, difference from fp32
 #   train    1-GPU ZeRO-3 bf16 DPO of a random Llama-3.2-1B-shaped model on dpo_en_demo.json, max length 4096,
 #            16k-token rows, --attn auto (torch_varlen without flash-attn): tokens/s, pairs/s, MFU, peak memory
 #   bench    the same model: packed (prefix-shared) vs packed-no-prefix-sharing vs padded vs packed-sdpa-varlen
@@ -109,6 +111,7 @@ COMMON=(--model-config "$WORK/model" --tokenizer "$WORK/tokenizer" --dataset "$D
 stage install 90 bash -c install_packages
 stage matrix 120 "$PY" scripts/gpu_check.py "${MATRIX[@]}" --json-out "$OUT/matrix.json"
 stage kernels 60 "$PY" scripts/gpu_check.py "${MATRIX[@]}" --kernels-only
+[[ -z $SMOKE ]] && stage logps 60 "$PY" scripts/gpu_logps.py --json-out "$OUT/logps.json"
 stage setup 45 "$PY" scripts/gpu_acceptance.py setup "$WORK" ${SMOKE:+--smoke}
 stage train 130 deepspeed --num_gpus 1 --master_port 29611 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}" \
     --max-steps "$TRAIN_STEPS" --output-dir "$OUT/train" --overwrite

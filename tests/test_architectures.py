@@ -124,6 +124,20 @@ def test_attend_sequence_against_explicit_scores(window, softcap):
                                atol=1e-6)
 
 
+def test_fewer_queries_than_keys_backward():
+    """The lower-right causal bias (no mask tensor; what a prefix-shared rejected block runs on CUDA): gradients of
+    q, k and v equal those of the scores written out."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, requires_grad=True) for n in (4, 13, 13))
+    i, j = torch.arange(9, 13)[:, None], torch.arange(13)[None, :]
+    want = torch.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(j > i, float("-inf")), dim=-1) @ v
+    grad_out = torch.randn(want.shape, generator=g)
+    expected = torch.autograd.grad(want, (q, k, v), grad_out)
+    got = torch.autograd.grad(attend_sequence(q, k, v, 0.3), (q, k, v), grad_out)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- the guard
 
 
@@ -185,3 +199,17 @@ def test_every_architecture_trains_on_two_zero3_ranks(tmp_path):
             # the metrics are fp32 sums over the step's pairs (all-reduced), then means: a few ulps of ~1,000 nats
             assert max(result["step1_logps_diff"]) <= 5e-7 * result["step1_logps_scale"], (arch, result)
             assert steps[-1]["loss"] < steps[0]["loss"], (arch, steps)
+
+
+def test_masked_calls_leave_cudnn_out_on_cuda():
+    """cuDNN's SDPA backward returned NaN query gradients with a mask tensor (pytorch#196678): masked calls on CUDA
+    run with it disabled, and the other fused kernels on; CPU calls are left as they are."""
+    from ds_packdpo.model.sequence_attention import mask_safe_kernels
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with mask_safe_kernels(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with mask_safe_kernels(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -76,6 +76,24 @@ def test_verbose_keeps_the_libraries_output():
             deepspeed_logger.setLevel(level)
 
 
+def test_own_warnings_are_one_line():
+    """A warning of this package reads ``warning: <message>`` (not Python's file:line: UserWarning and source line);
+    a library's keeps Python's format; --verbose gives Python's format back."""
+    from ds_packdpo.data import source
+
+    python_format = warnings.formatwarning
+    try:
+        quiet_libraries(verbose=False)
+        own = warnings.formatwarning("f.jsonl: 2 pairs repeat", UserWarning, source.__file__, 38, "prepared = ...")
+        assert own == "warning: f.jsonl: 2 pairs repeat\n"
+        library = warnings.formatwarning("x", UserWarning, "/site-packages/torch/a.py", 3, "y = 1")
+        assert "UserWarning: x" in library and "a.py:3" in library
+        quiet_libraries(verbose=True)
+        assert "UserWarning" in warnings.formatwarning("m", UserWarning, source.__file__, 38, "z")
+    finally:
+        warnings.formatwarning = python_format
+
+
 def test_version(capsys):
     from ds_packdpo import __version__
 

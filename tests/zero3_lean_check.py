@@ -1,7 +1,8 @@
 """One rank of the ZeRO-3 lean-vs-plain gradient check (launched by tests/test_reference.py).
 
 Per model (untied and tied embeddings), a ZeRO-3 engine with every parameter
-partitioned runs the same rows through plain and lean log-probs; after each
+partitioned runs the same rows through plain, lean and fused log-probs (fused through
+:func:`full_logits_cross_entropy` where cut-cross-entropy's CUDA kernel cannot run); after each
 ``engine.backward`` the full gradient of every parameter is assembled from
 DeepSpeed's partitions.  The ranks get different numbers of completion tokens (and
 one row gives rank 1 the dummy row with none), so the ranks make different numbers
@@ -23,6 +24,9 @@ from deepspeed.utils import safe_get_full_grad
 from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
+import torch.nn.functional as F
+
+from ds_packdpo.model import fused_logps
 from ds_packdpo.model.collate import collate_packed
 from ds_packdpo.model.logps import forward_logps
 from ds_packdpo.model.build import tiny_config
@@ -33,6 +37,12 @@ DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradie
              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
              "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "zero_allow_untested_optimizer": True}
 VOCAB = 300
+
+
+def full_logits_cross_entropy(e, c, targets, reduction="mean", filter_eps="high", **_):
+    """cut-cross-entropy's contract computed the plain way; the trainer must ask for exact per-token values."""
+    assert reduction == "none" and filter_eps is None, (reduction, filter_eps)
+    return F.cross_entropy(F.linear(e, c).float(), targets, reduction="none")
 
 
 def full_grads(engine) -> list[torch.Tensor]:
@@ -55,6 +65,8 @@ def count_gathers_of(module: torch.nn.Module, weight: torch.nn.Parameter) -> lis
 
 
 def main(out_path: str) -> None:
+    if not torch.cuda.is_available():
+        fused_logps.linear_cross_entropy = full_logits_cross_entropy
     deepspeed.init_distributed(dist_backend="gloo")
     release_shm_buffer()
     rank = dist.get_rank()
@@ -70,27 +82,32 @@ def main(out_path: str) -> None:
         del keep_alive
         gathers = count_gathers_of(engine.module, engine.module.lm_head.weight)
         worst = {"logps": 0.0, "logps_scale": 0.0, "grad": 0.0, "grad_scale": 0.0, "head_gathers": []}
-        for pairs in rows:
-            batch = collate_packed(pairs, list(range(len(pairs))), 0)
-            results = {}
-            counts = {"completion_tokens": int((batch.labels != -100).sum())}
-            for impl in ("plain", "lean"):
-                before = gathers[0]
-                seqs = forward_logps(engine, batch, "sdpa", chunk_tokens=5, impl=impl)
-                loss = (seqs.logps * torch.linspace(-1.0, 1.0, seqs.logps.numel())).sum() / 100
-                middle = gathers[0]
-                engine.backward(loss)
-                counts[impl] = {"forward": middle - before, "backward": gathers[0] - middle}
-                results[impl] = seqs.logps.detach(), full_grads(engine)
-                engine.optimizer.zero_grad()
-            worst["head_gathers"].append(counts)
-            (plain, plain_grads), (lean, lean_grads) = results["plain"], results["lean"]
-            if plain.numel():
-                worst["logps"] = max(worst["logps"], float((plain - lean).abs().max()))
-                worst["logps_scale"] = max(worst["logps_scale"], float(plain.abs().max()))
-            for want, got in zip(plain_grads, lean_grads, strict=True):
-                worst["grad"] = max(worst["grad"], float((want - got).abs().max()))
-                worst["grad_scale"] = max(worst["grad_scale"], float(want.abs().max()))
+        results = {}  # (row, impl) -> log-probs and full gradients
+        for impls in (("plain", "lean"), ("fused",)):  # fused after: a third forward per row changes ZeRO-3's trace
+            for index, pairs in enumerate(rows):
+                batch = collate_packed(pairs, list(range(len(pairs))), 0)
+                counts = {"completion_tokens": int((batch.labels != -100).sum())}
+                for impl in impls:
+                    before = gathers[0]
+                    seqs = forward_logps(engine, batch, "sdpa", chunk_tokens=5, impl=impl)
+                    loss = (seqs.logps * torch.linspace(-1.0, 1.0, seqs.logps.numel())).sum() / 100
+                    middle = gathers[0]
+                    engine.backward(loss)
+                    counts[impl] = {"forward": middle - before, "backward": gathers[0] - middle}
+                    results[index, impl] = seqs.logps.detach(), full_grads(engine)
+                    engine.optimizer.zero_grad()
+                if "lean" in impls:
+                    worst["head_gathers"].append(counts)
+        for index in range(len(rows)):
+            plain, plain_grads = results[index, "plain"]
+            for impl in ("lean", "fused"):
+                logps, grads = results[index, impl]
+                if plain.numel():
+                    worst["logps"] = max(worst["logps"], float((plain - logps).abs().max()))
+                    worst["logps_scale"] = max(worst["logps_scale"], float(plain.abs().max()))
+                for want, got in zip(plain_grads, grads, strict=True):
+                    worst["grad"] = max(worst["grad"], float((want - got).abs().max()))
+                    worst["grad_scale"] = max(worst["grad_scale"], float(want.abs().max()))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, worst.pop("head_gathers"))
         worst["head_gathers"] = everyone  # [rank][row]

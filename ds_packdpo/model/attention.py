@@ -47,7 +47,7 @@ from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_availa
 from ..errors import InputError
 from .collate import ModelBatch
 from .prefix_attention import PREFIX_FLASH, prefix_attention_forward, shared_prefix_attention
-from .sequence_attention import attend_sequence, causal_window_mask, masked_attention
+from .sequence_attention import attend_sequence, causal_window_mask, mask_safe_kernels, masked_attention
 from . import torch_varlen
 from .torch_varlen import TORCH_VARLEN, TORCH_VARLEN_IMPLEMENTATION
 
@@ -335,8 +335,9 @@ def _masked_forward(module, query, key, value, attention_mask, dropout, scaling,
     """A padded batch (or a layer with dropout): sdpa on transformers' mask, or the scores materialized when the
     layer soft-caps (sdpa cannot)."""
     if softcap is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        with mask_safe_kernels(query.device):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, is_causal=is_causal, **kwargs)
     if dropout:
         raise NotImplementedError("attention dropout with soft-capping")
     groups = query.shape[1] // key.shape[1]

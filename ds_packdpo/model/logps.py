@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import model_forward_kwargs
+from .fused_logps import FUSED, fused_token_logps
 from .lora import hf_model, split_head
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.
 
 
 # ----------------------------------------------------------------------------- lean: no [T, V] logits
-LOGPS_IMPLS = ("lean", "plain")
+LOGPS_IMPLS = ("lean", "plain", FUSED)  # "auto" is resolved in phase one (fused_logps.resolve_logps_impl)
 AUTO_CHUNK = "auto"
 # The chunk's logits and gradient may take this share of the stage's floor (:func:`auto_chunk_tokens`); chosen on
 # scripts/bench_logps.py (README, "Lean log-probs").
@@ -388,21 +389,32 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str =
                   impl: str = "lean") -> SequenceLogps:
     """One forward of ``model`` (an nn.Module or a DeepSpeed engine) on ``batch``, reduced per sequence.
 
-    ``impl="lean"`` never holds the ``[T, V]`` logits; a model whose logits are not
-    just its (soft-capped) lm_head's output falls back to ``plain`` with a warning.
+    ``impl="lean"`` never holds the ``[T, V]`` logits, ``"fused"`` (:mod:`.fused_logps`, CUDA) not even a chunk
+    of them; a model whose logits are not just its (soft-capped) lm_head's output falls back to ``plain`` with a
+    warning.
     ``chunk_tokens``: completion tokens per chunk, or ``"auto"`` (:func:`auto_chunk_tokens`).
     """
     if impl not in LOGPS_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(LOGPS_IMPLS)}, got {impl!r}")
     chunk_tokens = _chunk_for(chunk_tokens, model, batch)
-    head = lean_lm_head(model) if impl == "lean" else None
-    if impl == "lean" and head is None:
-        warnings.warn("lean log-probs: this model post-processes its logits or has no linear lm_head; "
+    head = lean_lm_head(model) if impl != "plain" else None
+    if impl != "plain" and head is None:
+        warnings.warn(f"{impl} log-probs: this model post-processes its logits or has no linear lm_head; "
                       "computing full logits instead", stacklevel=2)
+    if impl == FUSED and head is not None and (split_head(head)[1] is not None or head.bias is not None):
+        warnings.warn("fused log-probs: the lm_head has a bias or an adapter, which the fused kernel does not hold; "
+                      "computing lean log-probs instead", stacklevel=2)
+        impl = "lean"
     rows, targets, seq = scored_tokens(batch)
     if head is None:
         logits = model(**model_forward_kwargs(batch, attn)).logits
         token_logps, mean_logit = _plain_logps_at(logits, rows, targets, chunk_tokens)
+    elif impl == FUSED:
+        hidden = _final_hidden_states(model, batch, attn)
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+        # one call of the head module: under ZeRO-3 its weight is gathered once for the row, as the lean path's
+        token_logps, mean_logit = _as_head_call(head, lambda x, y: fused_token_logps(x, y, head.weight),
+                                                selected, targets)
     else:
         token_logps, mean_logit = _lean_logps_at(_final_hidden_states(model, batch, attn), rows, targets, head,
                                                  chunk_tokens, final_logit_softcap(model))

@@ -71,6 +71,11 @@ class LoraSettings:
             return ALL_LINEAR
         return [name.strip() for name in self.target_modules.split(",") if name.strip()]
 
+    @property
+    def adapts_head(self) -> bool:
+        """Whether an adapter lands on the lm_head ('all-linear' leaves it out; a name matches by suffix)."""
+        return self.target_names != ALL_LINEAR and any(name.split(".")[-1] == "lm_head" for name in self.target_names)
+
     def peft_config(self):
         require_peft()
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=self.target_names,

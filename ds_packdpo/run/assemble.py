@@ -35,6 +35,7 @@ from ..model.attention import (OWN_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, check_mod
                                 resolve_attn)
 from ..model.torch_varlen import TORCH_VARLEN
 from ..model.collate import ModelBatch, collate_row
+from ..model.fused_logps import resolve_logps_impl
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
 from ..model.logps import AUTO_CHUNK, SequenceLogps, forward_logps
@@ -229,6 +230,10 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     tokenizer, rows = tokenizer_and_rows(cfg)
     hf_config = check_models(cfg, layout, attn, len(tokenizer))
     check_lora_settings(cfg, hf_config)
+    lora = LoraSettings.of(cfg)
+    cfg = dataclasses.replace(cfg, logps_impl=resolve_logps_impl(
+        cfg.logps_impl, device_type, getattr(hf_config, "final_logit_softcapping", None),
+        lora is not None and lora.adapts_head))
     prepared = prepare_run_data(cfg, tokenizer, rows)
     held_out = None
     if command in EVALUATING_COMMANDS:

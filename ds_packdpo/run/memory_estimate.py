@@ -23,6 +23,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from transformers import AutoModelForCausalLM
 
 from .assemble import RunSetup, model_config, reference_model_config
+from ..model.fused_logps import FUSED
 from ..model.logps import auto_chunk_tokens
 from .engines import zero_stage
 
@@ -82,7 +83,8 @@ def estimate_memory(setup: RunSetup) -> dict:
     chunk = cfg.logps_chunk
     if chunk == "auto":  # what the lean head will pick for a full row (model/logps.auto_chunk_tokens)
         chunk = auto_chunk_tokens(tokens, hf_config.hidden_size, hf_config.vocab_size, element)
-    chunk_tokens = tokens if cfg.logps_impl == "plain" else min(chunk, tokens)
+    # plain holds the whole row's logits, lean one chunk's, fused none (cut-cross-entropy works in on-chip memory)
+    chunk_tokens = {"plain": tokens, FUSED: 0}.get(cfg.logps_impl, min(chunk, tokens))
     logps_chunk = 3 * chunk_tokens * hf_config.vocab_size * 4
     kept = "checkpointed" if cfg.gradient_checkpointing else "full"
     return {"parameters": total, "largest_layer_parameters": largest, "world_size": world,

@@ -1,0 +1,74 @@
+"""The docs cannot drift: the CLI reference is the parsers' own text, every relative link and anchor resolves."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ds_packdpo.cli_reference import DOC_PATH, render
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def test_cli_reference_is_generated_from_the_parsers():
+    assert DOC_PATH.read_text() == render(), \
+        "docs/cli.md differs from the parsers: run `python -m ds_packdpo.cli_reference --write`"
+
+
+def _prose_lines(page: Path) -> list[str]:
+    """The page's lines outside fenced code blocks (a link inside a code block is text, not a link)."""
+    lines, fenced = [], False
+    for line in page.read_text().splitlines():
+        if FENCE.match(line.strip()):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def github_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the page's headings: lower case, punctuation dropped, spaces to dashes, -N on
+    repeats."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for line in _prose_lines(page):
+        heading = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not heading:
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1))  # a link in a heading: its text
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def _links(page: Path) -> list[str]:
+    return [m.group(1) or m.group(2) for line in _prose_lines(page) for m in LINK.finditer(line)]
+
+
+def test_github_anchor_rules():
+    page = ROOT / "tests" / "_anchor_probe.md"
+    page.write_text("# A `code` title: with, punctuation!\n## Twice\n## Twice\n```\n# not a heading\n```\n")
+    try:
+        assert github_anchors(page) == {"a-code-title-with-punctuation", "twice", "twice-1"}
+    finally:
+        page.unlink()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(page):
+    broken = []
+    for target in _links(page):
+        if re.match(r"^[a-z]+:", target):  # http:, https:, mailto: - not checked offline
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target}: no file {resolved.relative_to(ROOT) if ROOT in resolved.parents else resolved}")
+        elif anchor and resolved.suffix == ".md" and anchor not in github_anchors(resolved):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {resolved.name}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)

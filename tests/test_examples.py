@@ -1,0 +1,66 @@
+"""Every recipe of examples/ passes phase one (settings, DeepSpeed config, data, plan, memory estimate) at the
+world size it is written for, with its hub model replaced by a local tiny one and its dataset by a local file:
+what a user's first command with it would meet, short of the weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ds_packdpo import cli
+from ds_packdpo.config import parse_train_args
+from ds_packdpo.precompute_ref import precompute_setup
+
+from conftest import DPO_DEMO_PATH
+from test_reference import save_tiny_model
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+MULTI_RESPONSE_PATH = DPO_DEMO_PATH.parent / "multi_response_demo.jsonl"
+# recipe -> ranks it runs on (its comment's launch)
+WORLD = {"llama8b_full_1node.yaml": 8, "qwen7b_lora_4gpu.yaml": 4, "llama70b_4nodes_sp.yaml": 32,
+         "many_responses.yaml": 2}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+def test_every_recipe_is_checked():
+    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted([*WORLD, "precomputed_reference.yaml"])
+
+
+def local_flags(recipe: Path, model: Path, tmp_path: Path) -> list[str]:
+    """The recipe with its hub model and its dataset replaced (flags on the command line win over --config)."""
+    settings = yaml.safe_load(recipe.read_text())
+    assert "/" in settings["model"] and not Path(settings["model"]).exists(), "a recipe names a hub model"
+    dataset = MULTI_RESPONSE_PATH if settings.get("pairs_from") else DPO_DEMO_PATH
+    return ["--config", str(recipe), "--model", str(model), "--dataset", str(dataset),
+            "--output-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")]
+
+
+@pytest.mark.parametrize("name", sorted(WORLD))
+def test_recipe_passes_phase_one(name, tiny_model, tmp_path, no_launch, capsys):
+    recipe = EXAMPLES / name
+    flags = local_flags(recipe, tiny_model, tmp_path)
+    assert cli.main(["train", *flags, "--num-procs", str(WORLD[name]), "--dry-run"]) == 0, capsys.readouterr().err
+    plan, estimate = capsys.readouterr().out.splitlines()
+    settings = yaml.safe_load(recipe.read_text())
+    sp = settings.get("sequence_parallel_size", 1)
+    assert f"on {WORLD[name]} ranks ({WORLD[name] // sp} data-parallel x {sp} sequence-parallel)" in plan, plan
+    assert estimate.startswith("memory per GPU (estimate): ")
+    cfg = parse_train_args(flags)
+    for key, value in settings.items():
+        if key not in ("model", "dataset", "output_dir"):
+            assert getattr(cfg, key) == value, key
+    assert not (tmp_path / "run").exists()
+
+
+def test_precomputed_reference_recipe_passes_phase_one(tiny_model, tmp_path):
+    recipe = EXAMPLES / "precomputed_reference.yaml"
+    cfg = parse_train_args(local_flags(recipe, tiny_model, tmp_path))
+    out = tmp_path / "ref" / "ref_logps.jsonl"
+    precompute_setup(cfg, str(out), world_size=2)
+    assert not out.exists()
