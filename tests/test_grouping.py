@@ -1,0 +1,129 @@
+"""Prompt groups ``[prompt | r1 | ... | rk]``: every prompt and every distinct response computed once per row.
+
+The layout (positions, labels, the prompt's last position scoring every response), the attention kernels (CPU and
+torch_varlen's emulation) against a dense masked reference, sequence parallelism's slices, and the done-when:
+per-pair log-probs and the gradient of a loss of them from grouped rows equal every pair's sequences run alone with
+eager attention (fp32), for every architecture of the matrix, on sequences longer than the window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_packdpo.model import prefix_attention, torch_varlen
+from ds_packdpo.model.build import ARCHITECTURES
+from ds_packdpo.model.collate import (PrefixLayout, PromptGroup, collate_groups, collate_grouped, collate_shared,
+                                      group_pairs)
+from ds_packdpo.model.guard import synthetic_pairs
+from ds_packdpo.model.matrix import matrix_outcome
+from ds_packdpo.run.sequence_parallel import slice_row
+
+from varlen_emulation import use_torch_varlen_emulation
+
+X = -100
+LAYOUT = PrefixLayout(((5, 3, 4, 2), (1, 0, 6), (7, 4, 0, 3, 5), (1, 9), (6, 0, 0), (3, 5, 5, 5)))
+
+
+def dense_group_reference(q, k, v, layout: PrefixLayout, window=None):
+    """Masked dense attention: a response's token sees its group's prompt and its own response's earlier tokens."""
+    total = q.shape[0]
+    position, piece, block_of = torch.zeros(total), torch.zeros(total, dtype=torch.long), torch.zeros(total)
+    start = 0
+    for b, block in enumerate(layout.blocks):
+        for j, size in enumerate(block):
+            position[start:start + size] = torch.arange(size) + (block[0] if j else 0)
+            piece[start:start + size] = j
+            block_of[start:start + size] = b
+            start += size
+    same_block = block_of[:, None] == block_of[None, :]
+    visible = same_block & (position[None, :] <= position[:, None]) & (
+        (piece[None, :] == 0) | (piece[None, :] == piece[:, None]))
+    if window is not None:
+        visible &= position[:, None] - position[None, :] < window
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+
+
+def test_group_layout_positions_labels_and_pair_lookup():
+    """Two prompts, three pairs of the first sharing two responses: each prompt and response once; the prompt's
+    last position scores the first token of every response; pairs are looked up from the responses."""
+    pairs = [{"prompt_ids": [1, 2], "chosen_ids": [10, 11], "rejected_ids": [20]},
+             {"prompt_ids": [5], "chosen_ids": [50], "rejected_ids": [60, 61]},
+             {"prompt_ids": [1, 2], "chosen_ids": [10, 11], "rejected_ids": [30, 31, 32]},
+             {"prompt_ids": [1, 2], "chosen_ids": [20], "rejected_ids": [30, 31, 32]}]
+    groups = group_pairs(pairs, [7, 8, 9, 4])
+    assert groups == [PromptGroup((1, 2), ((10, 11), (20,), (30, 31, 32)), ((0, 1), (0, 2), (1, 2)), (7, 9, 4)),
+                      PromptGroup((5,), ((50,), (60, 61)), ((0, 1),), (8,))]
+    row = collate_grouped(pairs, [7, 8, 9, 4], pad_token_id=0)
+    assert row.input_ids.tolist() == [[1, 2, 10, 11, 20, 30, 31, 32, 5, 50, 60, 61]]
+    assert row.position_ids.tolist() == [[0, 1, 2, 3, 2, 2, 3, 4, 0, 1, 1, 2]]
+    assert row.seq_index.tolist() == [[0, 0, 0, 0, 1, 2, 2, 2, 3, 3, 4, 4]]
+    assert row.labels.tolist() == [[X, 10, 11, X, X, 31, 32, X, 50, X, 61, X]]
+    assert row.fork_labels.tolist() == [[X, 20, X, X, X, X, X, X, 60, X, X, X],
+                                        [X, 30, X, X, X, X, X, X, X, X, X, X]]
+    assert row.prefix_layout == PrefixLayout(((2, 2, 1, 3), (1, 1, 2)))
+    assert row.pair_indices.tolist() == [7, 8, 9, 4] and row.num_sequences == 5
+    assert row.pair_sequences.tolist() == [[0, 1], [3, 4], [0, 2], [1, 2]]
+    # the pairs alone would run 2 x prompt + chosen + rejected each; the row runs 12 tokens
+    assert row.real_tokens == 7 + 5 + 9 + 8 and row.computed_tokens == 12
+    assert row.prompt_tokens_shared == row.real_tokens - 12
+
+
+def test_pair_layout_is_the_k2_case():
+    """collate_shared is collate_groups with one pair per group: canonical sequences, no lookup."""
+    pairs = synthetic_pairs(4, vocab_size=64, seed=3, max_tokens=12)
+    shared = collate_shared(pairs, [0, 1, 2, 3], 0)
+    assert shared.pair_sequences is None and shared.num_sequences == 8 and shared.fork_labels.shape[0] == 1
+    assert all(len(block) == 3 for block in shared.prefix_layout.blocks)
+    distinct = collate_grouped(pairs, [0, 1, 2, 3], 0)  # distinct prompts: the same row
+    assert torch.equal(distinct.input_ids, shared.input_ids) and torch.equal(distinct.labels, shared.labels)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("kernel", ["cpu", "torch_varlen"])
+def test_group_attention_equals_dense_masked_reference(monkeypatch, kernel, window):
+    """Values and gradients of both kernels on groups of 1-4 responses (empty ones too), grouped heads."""
+    if kernel == "torch_varlen":
+        use_torch_varlen_emulation(monkeypatch)
+    attend = prefix_attention.shared_prefix_attention if kernel == "cpu" else torch_varlen.shared_prefix_attention
+    torch.manual_seed(0)
+    total = LAYOUT.tokens
+    q = torch.randn(total, 4, 8, requires_grad=True)
+    k, v = (torch.randn(total, 2, 8, requires_grad=True) for _ in range(2))
+    out = attend(q, k, v, LAYOUT, sliding_window=window)
+    want = dense_group_reference(q, k, v, LAYOUT, window)
+    assert torch.allclose(out, want, atol=1e-5)
+    weights = torch.randn_like(out)
+    got = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    wanted = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, wanted))
+
+
+def test_sequence_parallel_slices_keep_every_fork_row():
+    pairs = [{"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6]},
+             {"prompt_ids": [1, 2, 3], "chosen_ids": [7], "rejected_ids": [6]},
+             {"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [8, 9]}]
+    row = collate_grouped(pairs, [0, 1, 2], 0)
+    assert row.fork_labels.shape == (3, row.input_ids.shape[1])
+    slices = [slice_row(row, 3, r, 0) for r in range(3)]
+    fork = torch.cat([s.fork_labels for s in slices], dim=1)
+    assert torch.equal(fork[:, :row.input_ids.shape[1]], row.fork_labels) and (fork[:, row.input_ids.shape[1]:] == X).all()
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_matrix_grouped_rows_equal_each_pair_alone(monkeypatch, arch):
+    """Done-when: per-pair log-probs and the gradient of a loss of them from prompt groups (three responses, one
+    response in several pairs) equal every pair's sequences run alone with eager attention, fp32, on sequences longer
+    than the window; with sdpa_varlen (the CPU kernel) and torch_varlen (emulated; Gemma 2 refused there)."""
+    use_torch_varlen_emulation(monkeypatch)
+    for attn in ("sdpa_varlen", "torch_varlen"):
+        outcome = matrix_outcome(arch, attn, grouped=True)
+        if outcome["verdict"] == "refused":
+            assert (arch, attn) == ("gemma2", "torch_varlen"), outcome
+            continue
+        window = outcome["sliding_window"]
+        assert window is None or outcome["shortest_sequence"] > window
+        assert outcome["logps_diff"] <= 1e-5 and outcome["grad_diff"] <= 1e-5 * outcome["grad_scale"], outcome
