@@ -37,7 +37,7 @@ from filelock import FileLock
 
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
 from .data.plan import steps_per_epoch
-from .data.run_plan import run_plan
+from .data.run_plan import prompt_groups_of, run_plan
 from .errors import InputError, run_guarded
 from .model.build import tiny_config
 from .precompute_ref import precompute
@@ -258,7 +258,8 @@ def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
 def check_enough_steps(setup: RunSetup, warmup_steps: int) -> None:
     lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
     cfg = setup.cfg
-    available = sum(steps_per_epoch(*lengths, setup.plan_cfg, epoch=e) for e in range(cfg.epochs))
+    available = sum(steps_per_epoch(*lengths, setup.plan_cfg, epoch=e, groups=prompt_groups_of(setup.prepared))
+                    for e in range(cfg.epochs))
     if available < warmup_steps + cfg.max_steps:
         raise InputError(f"--max-steps {cfg.max_steps} + --bench-warmup-steps {warmup_steps}: the data holds only "
                          f"{available} steps of {setup.plan_cfg.global_batch_pairs or '--tokens-per-step'} pairs "

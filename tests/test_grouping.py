@@ -8,9 +8,12 @@ eager attention (fp32), for every architecture of the matrix, on sequences longe
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from ds_packdpo.data.plan import PlanConfig, iter_plan, pack_stats, step_compositions, steps_per_epoch
+from ds_packdpo.data.prompt_groups import PairGroups, pair_groups
 from ds_packdpo.model import prefix_attention, torch_varlen
 from ds_packdpo.model.build import ARCHITECTURES
 from ds_packdpo.model.collate import (PrefixLayout, PromptGroup, collate_groups, collate_grouped, collate_shared,
@@ -127,3 +130,96 @@ def test_matrix_grouped_rows_equal_each_pair_alone(monkeypatch, arch):
         window = outcome["sliding_window"]
         assert window is None or outcome["shortest_sequence"] > window
         assert outcome["logps_diff"] <= 1e-5 and outcome["grad_diff"] <= 1e-5 * outcome["grad_scale"], outcome
+
+
+def grouped_token_pairs(num_prompts: int, seed: int) -> list[dict]:
+    """Every pair of 2-6 responses per prompt (random token ids, heavy-tailed lengths), shuffled."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(num_prompts):
+        prompt = rng.integers(3, 200, int(rng.lognormal(3, 0.6)) + 1).tolist()
+        responses = [rng.integers(3, 200, int(rng.lognormal(3, 0.8)) + 1).tolist()
+                     for _ in range(int(rng.integers(2, 7)))]
+        pairs += [{"prompt_ids": prompt, "chosen_ids": a, "rejected_ids": b}
+                  for i, a in enumerate(responses) for b in responses[i + 1:]]
+    return [pairs[i] for i in rng.permutation(len(pairs))]
+
+
+def plan_inputs(pairs):
+    prompt = np.array([len(p["prompt_ids"]) for p in pairs])
+    chosen = prompt + np.array([len(p["chosen_ids"]) for p in pairs])
+    rejected = prompt + np.array([len(p["rejected_ids"]) for p in pairs])
+    groups = pair_groups([p["prompt_ids"] for p in pairs], [p["chosen_ids"] for p in pairs],
+                         [p["rejected_ids"] for p in pairs])
+    return chosen, rejected, prompt, groups
+
+
+def test_steps_take_whole_groups_whatever_the_layout():
+    """A step's pairs depend on seed, epoch, global batch and the data's groups only: the same under every layout
+    (world, budget, packing, prefix sharing, grouping); every group in one step; singleton groups give today's
+    composition."""
+    pairs = grouped_token_pairs(40, seed=1)
+    chosen, rejected, prompt, groups = plan_inputs(pairs)
+    assert groups.count == 40 and len(pairs) > 150
+    compositions = set()
+    for world, budget, packing, sharing, grouping in ((1, 4000, True, True, True), (2, 700, True, True, False),
+                                                      (2, 700, True, False, False), (3, 900, False, False, False)):
+        cfg = PlanConfig(max_tokens_per_row=budget, dp_size=world, seed=5, global_batch_pairs=16, packing=packing,
+                         prefix_sharing=sharing, prompt_groups=grouping)
+        steps = [plan.pairs for plan in iter_plan(chosen, rejected, cfg, 2, prompt_lengths=prompt, groups=groups)]
+        compositions.add(tuple(steps))
+        assert steps_per_epoch(chosen, rejected, cfg, 0, groups) + steps_per_epoch(chosen, rejected, cfg, 1, groups) \
+            == len(steps)
+    assert len(compositions) == 1
+    steps = compositions.pop()
+    for step in steps:
+        touched = set(groups.group[list(step)].tolist())
+        assert len(step) == int(np.isin(groups.group, list(touched)).sum())  # every pair of its groups
+    assert sum(len(step) < 16 for step in steps) <= 2  # only an epoch's last step may fall short
+    singletons = PairGroups(np.arange(len(pairs)), np.arange(len(pairs)), np.arange(len(pairs)) + len(pairs))
+    cfg = PlanConfig(max_tokens_per_row=4000, seed=5, global_batch_pairs=16)
+    assert [s.tolist() for s in step_compositions(chosen, rejected, cfg, 0, singletons)] == \
+        [s.tolist() for s in step_compositions(chosen, rejected, cfg, 0)]
+
+
+@pytest.mark.parametrize("tight", [True, False])
+def test_rows_hold_whole_groups_split_under_the_budget(tight):
+    """With prompt groups a group's pairs share one row unless they exceed the budget; then sub-groups of whole
+    pairs, each within it; the row's planned tokens bound what the grouped row computes (equal when no group is
+    split)."""
+    pairs = grouped_token_pairs(30, seed=2)
+    chosen, rejected, prompt, groups = plan_inputs(pairs)
+    budget = int((chosen + rejected - prompt).max()) if tight else 4000  # tight: the largest pair just fits
+    cfg = PlanConfig(max_tokens_per_row=budget, dp_size=2, seed=0, global_batch_pairs=24, prefix_sharing=True,
+                     prompt_groups=True)
+    split = planned = 0
+    for plan in iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt, groups=groups):
+        rows_of_group: dict[int, set] = {}
+        for rank, rows in enumerate(plan.ranks):
+            for index, row in enumerate(rows):
+                assert row.tokens <= budget
+                if not row.pairs:
+                    continue
+                planned += len(row.pairs)
+                batch = collate_grouped([pairs[i] for i in row.pairs], list(row.pairs), 0)
+                assert batch.computed_tokens <= row.tokens
+                for g in groups.group[list(row.pairs)].tolist():
+                    rows_of_group.setdefault(g, set()).add((rank, index))
+        split += sum(len(rows) > 1 for rows in rows_of_group.values())
+    assert planned == len(pairs)
+    assert (split > 0) == tight
+
+
+def test_pack_stats_reports_tokens_saved_by_groups():
+    pairs = grouped_token_pairs(30, seed=3)
+    chosen, rejected, prompt, groups = plan_inputs(pairs)
+    figures = {}
+    for grouping in (True, False):
+        cfg = PlanConfig(max_tokens_per_row=4000, dp_size=2, global_batch_pairs=32, prefix_sharing=True,
+                         prompt_groups=grouping)
+        figures[grouping] = pack_stats(chosen, rejected, cfg, prompt_lengths=prompt, groups=groups)
+    shared = int((chosen + rejected - prompt).sum())
+    assert figures[False]["real_tokens"] == shared == figures[True]["prefix_shared_tokens"]
+    assert figures[False]["prompt_groups_ideal_speedup"] == 1.0
+    assert figures[True]["prompt_groups_ideal_speedup"] > 1.5  # 2-6 responses, every pair of them
+    assert figures[True]["sequence_tokens"] == int((chosen + rejected).sum())
