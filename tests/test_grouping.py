@@ -8,6 +8,8 @@ eager attention (fp32), for every architecture of the matrix, on sequences longe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,7 @@ from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.model.matrix import matrix_outcome
 from ds_packdpo.run.sequence_parallel import slice_row
 
+from launching import ranks_module, read_metrics, run
 from varlen_emulation import use_torch_varlen_emulation
 
 X = -100
@@ -223,3 +226,47 @@ def test_pack_stats_reports_tokens_saved_by_groups():
     assert figures[False]["prompt_groups_ideal_speedup"] == 1.0
     assert figures[True]["prompt_groups_ideal_speedup"] > 1.5  # 2-6 responses, every pair of them
     assert figures[True]["sequence_tokens"] == int((chosen + rejected).sum())
+
+
+MULTI_DEMO_PATH = Path(__file__).resolve().parents[2] / "shared/data/multi_response_demo.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory, demo_tokenizer) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    demo_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not MULTI_DEMO_PATH.exists(), reason="needs ../shared/data/multi_response_demo.jsonl")
+def test_grouped_trajectory_equals_ungrouped(tmp_path, tokenizer_folder):
+    """Done-when: 3 steps on the demo's 693 pairs (all pairs of 4 scored answers per prompt) with prompt groups
+    give the trajectory of the same steps without them (each pair's prompt shared alone), at world size 1 and 2,
+    two row budgets (the small one splits groups) and S = 2; the steps hold whole groups and the grouped rows compute
+    fewer tokens."""
+    data = ("--dataset", str(MULTI_DEMO_PATH), "--pairs-from", "all", "--tokenizer", str(tokenizer_folder),
+            "--global-batch-pairs", "12", "--max-length", "160", "--max-steps", "3", "--lr", "1e-3", "--dtype", "fp32",
+            "--no-progress", "--overwrite")
+
+    def launch(name: str, procs: int, *flags: str) -> list[dict]:
+        out = tmp_path / name
+        run(ranks_module(procs, "ds_packdpo.train", "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"),
+                         *data, *flags))
+        return read_metrics(out / "metrics.jsonl")
+
+    reference = launch("w1_pairs", 1, "--max-tokens-per-row", "4096", "--no-prompt-groups")
+    layouts = {"w1_groups": launch("w1_groups", 1, "--max-tokens-per-row", "4096"),
+               "w2_groups": launch("w2_groups", 2, "--max-tokens-per-row", "4096"),
+               "w2_groups_small_rows": launch("w2_small", 2, "--max-tokens-per-row", "320"),
+               "w2_sp2_groups": launch("w2_sp2", 2, "--max-tokens-per-row", "160", "--sequence-parallel-size", "2")}
+    assert [r["step"] for r in reference] == [1, 2, 3] and reference[-1]["loss"] < reference[0]["loss"]
+    assert all(r["pairs"] >= 12 for r in reference)  # whole groups: 12 pairs or more
+    for name, records in layouts.items():
+        for ref, got in zip(reference, records, strict=True):
+            assert got["pairs"] == ref["pairs"] and got["tokens"] == ref["tokens"], name
+            for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "logps/rejected"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, got[key], ref[key])
+            assert got["computed_tokens"] < ref["computed_tokens"], name  # each response once, not once per pair
+    print("computed tokens per step, pairs alone vs groups:", [r["computed_tokens"] for r in reference],
+          [r["computed_tokens"] for r in layouts["w2_groups"]])

@@ -88,13 +88,16 @@ def plan_figures(plan_cfg: PlanConfig, prepared: PreparedPairs, epochs: int, ste
     """What the run's ``steps`` steps hold: pairs, real tokens, forwards per rank, and the lock-step utilization
     (real tokens / (ranks x sum over row slots of the slot's largest computed row), what ZeRO-3 pays)."""
     pairs = real = lockstep = 0
-    rows = []
+    rows, step_pairs = [], []
     for index, plan in enumerate(run_plan(prepared, plan_cfg, epochs)):
         if index >= steps:
             break
         pairs += plan.num_pairs
+        step_pairs.append(plan.num_pairs)
         real += sum(plan.rank_tokens)
         rows.append(plan.rows_per_rank)
         lockstep += sum(max(ranks[i].computed_tokens for ranks in plan.ranks) for i in range(plan.rows_per_rank))
+    grouped = prompt_groups_of(prepared).count < len(prepared.chosen_lengths)  # steps of whole groups: sizes vary
     return {"pairs": pairs, "tokens": real, "rows_per_rank": {"min": min(rows), "max": max(rows)},
+            **({"pairs_per_step": {"min": min(step_pairs), "max": max(step_pairs)}} if grouped else {}),
             "lockstep_utilization": real / (plan_cfg.dp_size * lockstep)}
