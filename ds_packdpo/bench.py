@@ -53,6 +53,9 @@ from .run.trainer import DPOTrainer
 CONFIGURATIONS: dict[str, dict] = {
     "packed": {"packing": True},  # each pair's prompt once (prefix sharing, the default)
     "packed-no-prefix-sharing": {"packing": True, "prefix_sharing": False},  # packing alone: every prompt twice
+    # prefix sharing alone: each pair's prompt once, but a prompt of several pairs and their shared responses
+    # computed once per pair (against "packed", which runs each prompt group once)
+    "packed-no-prompt-groups": {"packing": True, "prompt_groups": False},
     "padded": {"packing": False},
     # the dense block-diagonal mask (of packing alone: sdpa's masks cannot share prefixes)
     "packed-sdpa-dense": {"packing": True, "attn": "sdpa", "prefix_sharing": False},
