@@ -448,7 +448,8 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
     heaviest row to the rank with the least so far (rank balance)."""
     world, budget = cfg.dp_size, cfg.max_tokens_per_row
     units = None  # the items placed: pairs, or with prompt groups the step's (sub-)groups
-    if groups is not None and cfg.prefix_sharing and cfg.prompt_groups:
+    if (groups is not None and cfg.prefix_sharing and cfg.prompt_groups
+            and np.unique(groups.group[step_pairs]).size < step_pairs.size):  # else the pairs' own plan, as today
         units, tokens, attention = group_units(step_pairs, groups, chosen, rejected, prompt, budget)
     else:
         c, r = chosen[step_pairs], rejected[step_pairs]
