@@ -17,11 +17,13 @@ import torch
 from ds_packdpo.data.plan import PlanConfig, iter_plan, pack_stats, step_compositions, steps_per_epoch
 from ds_packdpo.data.prompt_groups import PairGroups, pair_groups
 from ds_packdpo.model import prefix_attention, torch_varlen
-from ds_packdpo.model.build import ARCHITECTURES
+from ds_packdpo.model.build import ARCHITECTURES, build_model
 from ds_packdpo.model.collate import (PrefixLayout, PromptGroup, collate_groups, collate_grouped, collate_shared,
                                       group_pairs)
 from ds_packdpo.model.guard import synthetic_pairs
+from ds_packdpo.model.logps import forward_logps
 from ds_packdpo.model.matrix import matrix_outcome
+from ds_packdpo.run.reference import PrecomputedReference
 from ds_packdpo.run.sequence_parallel import slice_row
 
 from launching import ranks_module, read_metrics, run
@@ -270,3 +272,19 @@ def test_grouped_trajectory_equals_ungrouped(tmp_path, tokenizer_folder):
             assert got["computed_tokens"] < ref["computed_tokens"], name  # each response once, not once per pair
     print("computed tokens per step, pairs alone vs groups:", [r["computed_tokens"] for r in reference],
           [r["computed_tokens"] for r in layouts["w2_groups"]])
+
+
+def test_precomputed_reference_rows_meet_grouped_pairs():
+    """A --ref-logps table (pairs computed alone, by positional index) lines up with a grouped row's pairs: the
+    policy's grouped log-probs and the table's are the same pair by pair (the loss pairs them by position)."""
+    pairs = grouped_token_pairs(3, seed=4)
+    model = build_model(None, "tiny", 256, torch.float32, "sdpa_varlen", seed=0)
+    alone = forward_logps(model, collate_shared(pairs, list(range(len(pairs))), 0), "sdpa_varlen")
+    table = torch.stack([alone.chosen_logps, alone.rejected_logps, alone.chosen_tokens, alone.rejected_tokens], 1)
+    order = list(np.random.default_rng(0).permutation(len(pairs)))
+    row = collate_grouped([pairs[i] for i in order], order, 0)
+    assert row.pair_sequences is not None and row.num_sequences < 2 * len(pairs)
+    grouped = forward_logps(model, row, "sdpa_varlen")
+    looked_up = PrecomputedReference(table.detach()).sequence_logps(row)
+    assert torch.allclose(grouped.logps.detach(), looked_up.logps, rtol=1e-5, atol=1e-5)
+    assert torch.equal(grouped.tokens, looked_up.tokens)
