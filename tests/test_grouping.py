@@ -181,6 +181,12 @@ def test_steps_take_whole_groups_whatever_the_layout():
         touched = set(groups.group[list(step)].tolist())
         assert len(step) == int(np.isin(groups.group, list(touched)).sum())  # every pair of its groups
     assert sum(len(step) < 16 for step in steps) <= 2  # only an epoch's last step may fall short
+    by_tokens = step_compositions(chosen, rejected, PlanConfig(max_tokens_per_row=4000, tokens_per_step=3000), 0, groups)
+    assert sorted(np.concatenate(by_tokens).tolist()) == list(range(len(pairs)))  # every pair once
+    for step in by_tokens:  # whole groups, each step past the target unless it is the last
+        assert set(groups.group[step].tolist()).isdisjoint(set(groups.group[np.setdiff1d(np.arange(len(pairs)),
+                                                                                         step)].tolist()))
+        assert (chosen + rejected)[step].sum() >= 3000 or step is by_tokens[-1]
     singletons = PairGroups(np.arange(len(pairs)), np.arange(len(pairs)), np.arange(len(pairs)) + len(pairs))
     cfg = PlanConfig(max_tokens_per_row=4000, seed=5, global_batch_pairs=16)
     assert [s.tolist() for s in step_compositions(chosen, rejected, cfg, 0, singletons)] == \
