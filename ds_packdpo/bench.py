@@ -37,7 +37,7 @@ from filelock import FileLock
 
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
 from .data.plan import steps_per_epoch
-from .data.run_plan import run_plan
+from .data.run_plan import prompt_groups_of, run_plan
 from .errors import InputError, run_guarded
 from .files import check_creatable_folder
 from .model.build import tiny_config
@@ -54,6 +54,9 @@ from .run.trainer import DPOTrainer
 CONFIGURATIONS: dict[str, dict] = {
     "packed": {"packing": True},  # each pair's prompt once (prefix sharing, the default)
     "packed-no-prefix-sharing": {"packing": True, "prefix_sharing": False},  # packing alone: every prompt twice
+    # prefix sharing alone: each pair's prompt once, but a prompt of several pairs and their shared responses
+    # computed once per pair (against "packed", which runs each prompt group once)
+    "packed-no-prompt-groups": {"packing": True, "prompt_groups": False},
     "padded": {"packing": False},
     # the dense block-diagonal mask (of packing alone: sdpa's masks cannot share prefixes)
     "packed-sdpa-dense": {"packing": True, "attn": "sdpa", "prefix_sharing": False},
@@ -260,7 +263,8 @@ def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
 def check_enough_steps(setup: RunSetup, warmup_steps: int) -> None:
     lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
     cfg = setup.cfg
-    available = sum(steps_per_epoch(*lengths, setup.plan_cfg, epoch=e) for e in range(cfg.epochs))
+    available = sum(steps_per_epoch(*lengths, setup.plan_cfg, epoch=e, groups=prompt_groups_of(setup.prepared))
+                    for e in range(cfg.epochs))
     if available < warmup_steps + cfg.max_steps:
         raise InputError(f"--max-steps {cfg.max_steps} + --bench-warmup-steps {warmup_steps}: the data holds only "
                          f"{available} steps of {setup.plan_cfg.global_batch_pairs or '--tokens-per-step'} pairs "

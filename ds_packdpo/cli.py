@@ -23,7 +23,7 @@ from .config import FlagParser, TrainConfig, add_arguments, config_from_args, pa
 from .console import launcher_options, rank_environment
 from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
-from .data.run_plan import checked_plan_config, run_plan
+from .data.run_plan import checked_plan_config, prompt_groups_of, run_plan
 from .data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from .errors import InputError, PeerFailureError, StoppedError, run_guarded
 from .files import check_output_file
@@ -150,7 +150,7 @@ def cmd_pack_stats(argv: list[str]) -> int:
         prepared, _ = split_held_out(cfg, tokenizer, prepare_run_data(cfg, tokenizer, rows))  # what trains
         plan_cfg = checked_plan_config(cfg, layout, prepared)
         stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=cfg.epochs,
-                           prompt_lengths=prepared.prompt_lengths)
+                           prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
         if args.plan_out:
             write_plan_jsonl(run_plan(prepared, plan_cfg, cfg.epochs), args.plan_out,
                              pair_ids=prepared.dataset["pair_id"])

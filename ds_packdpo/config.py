@@ -109,6 +109,9 @@ class TrainConfig:
                                 "for both completions (exact: checked at start-up; needs --attn auto, sdpa_varlen or "
                                 "flash_attention_2/3, or sequence parallelism); --no-prefix-sharing runs every prompt "
                                 "twice. Only packed rows share prefixes.", True)
+    prompt_groups: bool = _opt("With prefix sharing, the pairs of a row whose prompts are the same token ids run as one "
+                               "group [prompt | r1 | ... | rk]: the prompt and every distinct response computed once "
+                               "(exact); --no-prompt-groups lays out each pair alone.", True)
     drop_last: bool = _opt("Drop the last incomplete step of every epoch.", False)
     attention_weight: float = _opt("Balance ranks on tokens + W * sum of squared sequence lengths.", 0.0)
     epochs: int = _opt("Passes over the data.", 1)
@@ -247,7 +250,8 @@ class TrainConfig:
         return PlanConfig(max_tokens_per_row=self.row_budget * layout.sp_size, dp_size=layout.dp_size,
                           seed=self.seed, global_batch_pairs=self.batch_pairs, tokens_per_step=self.tokens_per_step,
                           drop_last=self.drop_last, attention_weight=self.attention_weight, packing=self.packing,
-                          micro_batch_pairs=self.micro_batch_pairs, prefix_sharing=self.shares_prefixes)
+                          micro_batch_pairs=self.micro_batch_pairs, prefix_sharing=self.shares_prefixes,
+                          prompt_groups=self.shares_prefixes and self.prompt_groups)
 
     def loss_config(self):
         """The loss settings (model.losses.LossConfig), validated."""

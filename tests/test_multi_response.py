@@ -240,7 +240,7 @@ def test_multi_response_demo_counts_through_prepare(tmp_path, tokenizer_dir, cap
                 "completions", 160, by_hand[rule], {})
             assert groups["pairs_made"] == by_hand[rule] and groups["ties_dropped"] == ties, rule
             assert groups["groups"] == 160 and groups["responses_per_group"] == {"mean": 4.0, "min": 4, "max": 4}
-            assert groups["pairs_from"] == rule and groups["tokens_saved"].startswith("not yet")
+            assert groups["pairs_from"] == rule and groups["tokens_saved"].startswith("see pack-stats")
 
 
 def test_phase_one_plans_every_pair_of_the_demo_once(tmp_path, tokenizer_dir):

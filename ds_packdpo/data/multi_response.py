@@ -35,8 +35,8 @@ RESPONSES, SCORES, RANKS = "responses", "scores", "ranks"
 # a column of completion objects -> their text key: UltraFeedback's, Nectar's
 OBJECT_LISTS = {"completions": "response", "answers": "answer"}
 SCORE_KEYS = ("overall_score", "score", "rank")  # per completion object; the first one a row's first object has
-TOKENS_SAVED_NOTE = ("not yet: the pairs train as ordinary pairs; rows holding each group once (and the tokens that "
-                     "saves) come with the grouped layout")
+TOKENS_SAVED_NOTE = ("see pack-stats: with --prompt-groups (the default) rows hold each prompt group once; "
+                     "prefix_shared_tokens - real_tokens are the tokens that saves over prefix sharing alone")
 
 
 def _object_list(columns) -> str:

@@ -51,6 +51,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..files import atomic_write
+from .prompt_groups import PairGroups, group_permutation, group_units
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class PlanConfig:
     packing: bool = True
     micro_batch_pairs: int = 1  # padded mode only
     prefix_sharing: bool = False  # packed rows hold each prompt once (the lengths functions then need prompt lengths)
+    prompt_groups: bool = False  # with prefix sharing: a row holds each prompt group once (data/prompt_groups.py)
 
 
 class Row(NamedTuple):  # immutable like a frozen dataclass, built ~2x faster (a plan makes ~10^6 of them)
@@ -220,12 +222,20 @@ def validate_lengths(chosen_lengths, rejected_lengths, cfg: PlanConfig, pair_ids
 # ----------------------------------------------------------------------------- composition
 
 
-def step_compositions(chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: int) -> list[np.ndarray]:
-    """The pair indices of every step of ``epoch``; a function of seed, epoch and the global batch setting only."""
+def step_compositions(chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: int,
+                      groups: PairGroups | None = None) -> list[np.ndarray]:
+    """The pair indices of every step of ``epoch``; a function of seed, epoch and the global batch setting only
+    (and of the data's prompt groups, never of the layout).  With ``groups`` the groups are shuffled and a step
+    takes whole groups: it closes at the first group end that reaches the global batch, so its pair count
+    varies with the group sizes."""
     if not _is_int(epoch) or epoch < 0:
         raise InputError(f"epoch is {epoch!r}; it must be an integer >= 0")
     chosen, rejected = _as_lengths(chosen_lengths, rejected_lengths)
-    order = np.random.default_rng([cfg.seed, epoch]).permutation(chosen.size)
+    rng = np.random.default_rng([cfg.seed, epoch])
+    if groups is not None and groups.count < chosen.size:
+        order, ends = group_permutation(groups, rng)
+        return _cut_at_group_ends(order, ends, chosen + rejected, cfg)
+    order = rng.permutation(chosen.size)
     if cfg.global_batch_pairs is not None:
         size = cfg.global_batch_pairs
         full = chosen.size // size if cfg.drop_last else -(-chosen.size // size)
@@ -239,6 +249,28 @@ def step_compositions(chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: 
             break
         steps.append(order[start:end])
         done = int(reached[min(end, order.size) - 1])
+        start = end
+    return steps
+
+
+def _cut_at_group_ends(order: np.ndarray, ends: np.ndarray, pair_tokens_both: np.ndarray,
+                       cfg: PlanConfig) -> list[np.ndarray]:
+    """Steps of whole groups: each closes at the first group end where its pairs (or tokens) reach the target; with
+    --drop-last a last step short of it is dropped."""
+    if cfg.global_batch_pairs is not None:
+        reached, target = np.arange(1, order.size + 1), cfg.global_batch_pairs
+    else:
+        reached, target = np.cumsum(pair_tokens_both[order]), cfg.tokens_per_step
+    steps, start, done = [], 0, 0
+    boundaries = np.flatnonzero(ends) + 1
+    while start < order.size:
+        after = boundaries[boundaries > start]
+        enough = after[reached[after - 1] - done >= target]
+        end = int(enough[0]) if enough.size else order.size
+        if not enough.size and cfg.drop_last:
+            break
+        steps.append(order[start:end])
+        done = int(reached[end - 1])
         start = end
     return steps
 
@@ -259,8 +291,12 @@ def warn_if_ranks_idle(num_pairs: int, cfg: PlanConfig) -> float | None:
     return share
 
 
-def steps_per_epoch(chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: int = 0) -> int:
-    """Number of optimizer steps of an epoch (with --tokens-per-step it can differ between epochs)."""
+def steps_per_epoch(chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: int = 0,
+                    groups: PairGroups | None = None) -> int:
+    """Number of optimizer steps of an epoch (with --tokens-per-step or prompt groups it can differ between
+    epochs)."""
+    if groups is not None and groups.count < len(chosen_lengths):
+        return len(step_compositions(chosen_lengths, rejected_lengths, cfg, epoch, groups))
     if cfg.global_batch_pairs is not None:
         n = len(chosen_lengths)
         return n // cfg.global_batch_pairs if cfg.drop_last else -(-n // cfg.global_batch_pairs)
@@ -406,15 +442,21 @@ def _aligned_rows(order: np.ndarray, tokens: np.ndarray, cost: np.ndarray, world
 
 
 def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
-                  cfg: PlanConfig) -> list[list[Row]]:
+                  cfg: PlanConfig, groups: PairGroups | None = None) -> list[list[Row]]:
     """Fewest slots R such that the pairs fit world x R rows, rows of near-equal cost, R rows dealt to each rank so
     that slot i holds near-equal rows everywhere: rows sorted by cost, slot i = the i-th block of ``world``, its
     heaviest row to the rank with the least so far (rank balance)."""
     world, budget = cfg.dp_size, cfg.max_tokens_per_row
-    c, r = chosen[step_pairs], rejected[step_pairs]
-    p = None if prompt is None else prompt[step_pairs]
-    tokens = pair_tokens(c, r, p, cfg.prefix_sharing)
-    cost = tokens + cfg.attention_weight * pair_attention_sq(c, r, p, cfg.prefix_sharing).astype(np.float64)
+    units = None  # the items placed: pairs, or with prompt groups the step's (sub-)groups
+    if (groups is not None and cfg.prefix_sharing and cfg.prompt_groups
+            and np.unique(groups.group[step_pairs]).size < step_pairs.size):  # else the pairs' own plan, as today
+        units, tokens, attention = group_units(step_pairs, groups, chosen, rejected, prompt, budget)
+    else:
+        c, r = chosen[step_pairs], rejected[step_pairs]
+        p = None if prompt is None else prompt[step_pairs]
+        tokens = pair_tokens(c, r, p, cfg.prefix_sharing)
+        attention = pair_attention_sq(c, r, p, cfg.prefix_sharing)
+    cost = tokens + cfg.attention_weight * attention.astype(np.float64)
     heaviest_first = np.argsort(-cost, kind="stable")
     slots = _slot_count_floor(tokens, world, budget)
     while (row := _aligned_rows(heaviest_first, tokens, cost, world, slots, budget)) is None:
@@ -430,8 +472,13 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
         rank_of_row[slot_rows] = ranks
         rank_load[ranks] += row_cost[slot_rows]
     # pairs grouped by row (heaviest pair first); rows built rank by rank, each rank's by tokens descending
-    pair_ids = tuple(step_pairs[heaviest_first[np.argsort(row[heaviest_first], kind="stable")]].tolist())
-    sizes = np.bincount(row, minlength=count)
+    by_row = heaviest_first[np.argsort(row[heaviest_first], kind="stable")]
+    if units is None:
+        pair_ids = tuple(step_pairs[by_row].tolist())
+        sizes = np.bincount(row, minlength=count)
+    else:
+        pair_ids = tuple(np.concatenate([units[i] for i in by_row]).tolist())
+        sizes = np.bincount(row, weights=[units[i].size for i in range(len(units))], minlength=count).astype(np.int64)
     final = np.lexsort((-row_tokens, rank_of_row))
     built = [_new_row(Row, (pair_ids[end - size:end], t, t)) if size else DUMMY_ROW
              for end, size, t in zip(np.cumsum(sizes)[final].tolist(), sizes[final].tolist(), row_tokens[final].tolist())]
@@ -439,7 +486,7 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
 
 
 def _padded_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
-                  cfg: PlanConfig) -> list[list[Row]]:
+                  cfg: PlanConfig, groups: PairGroups | None = None) -> list[list[Row]]:
     """The baseline layout of TRL/OpenRLHF: pairs dealt by count like a DistributedSampler, micro-batches in order."""
     ranks = []
     for rank in range(cfg.dp_size):
@@ -456,9 +503,9 @@ def _padded_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
 
 
 def _plan_step(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
-               cfg: PlanConfig, epoch: int, step: int) -> StepPlan:
+               cfg: PlanConfig, epoch: int, step: int, groups: PairGroups | None = None) -> StepPlan:
     layout = _packed_ranks if cfg.packing else _padded_ranks
-    ranks = layout(step_pairs, chosen, rejected, prompt, cfg)
+    ranks = layout(step_pairs, chosen, rejected, prompt, cfg, groups)
     return StepPlan(epoch, step, tuple(step_pairs.tolist()), tuple(tuple(rows) for rows in ranks))
 
 
@@ -472,7 +519,7 @@ def _as_prompts(prompt_lengths, cfg: PlanConfig) -> np.ndarray | None:
 
 
 def plan_step(pair_indices, chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: int, step: int,
-              prompt_lengths=None) -> StepPlan:
+              prompt_lengths=None, groups: PairGroups | None = None) -> StepPlan:
     """Lay out one step's pairs on ranks and rows.  Pass lengths as numpy int arrays (they are not copied)."""
     chosen, rejected = _as_lengths(chosen_lengths, rejected_lengths)
     prompt = _as_prompts(prompt_lengths, cfg)
@@ -481,16 +528,17 @@ def plan_step(pair_indices, chosen_lengths, rejected_lengths, cfg: PlanConfig, e
         raise ValueError("a step needs at least one pair")
     validate_lengths(chosen[step_pairs], rejected[step_pairs], cfg, pair_ids=step_pairs.tolist(),
                      prompt_lengths=None if prompt is None else prompt[step_pairs])
-    return _plan_step(step_pairs, chosen, rejected, prompt, cfg, epoch, step)
+    return _plan_step(step_pairs, chosen, rejected, prompt, cfg, epoch, step, groups)
 
 
 def iter_plan(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int, start_epoch: int = 0,
-              start_step: int = 0, prompt_lengths=None) -> Iterator[StepPlan]:
+              start_step: int = 0, prompt_lengths=None, groups: PairGroups | None = None) -> Iterator[StepPlan]:
     """Every step of epochs ``start_epoch .. epochs-1``, beginning at ``start_step`` of ``start_epoch``.
 
     Validates everything before the first step is planned, so a bad setting fails at once.
     Resuming from (epoch, step) yields exactly the tail of the uninterrupted plan.  ``prompt_lengths``
-    are needed when the rows share prefixes (``cfg.prefix_sharing``).
+    are needed when the rows share prefixes (``cfg.prefix_sharing``); ``groups`` (the data's prompt groups) make
+    the group the unit of the steps and, with ``cfg.prompt_groups``, of the rows.
     """
     prompt = _as_prompts(prompt_lengths, cfg)
     validate_lengths(chosen_lengths, rejected_lengths, cfg, prompt_lengths=prompt)
@@ -498,23 +546,24 @@ def iter_plan(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int, st
     for value, flag in ((epochs, "--epochs"), (start_epoch, "resume epoch"), (start_step, "resume step")):
         if not _is_int(value) or value < 0:
             raise InputError(f"{flag} is {value!r}; it must be an integer >= 0")
-    first = step_compositions(chosen, rejected, cfg, start_epoch) if start_epoch < epochs else []
+    first = step_compositions(chosen, rejected, cfg, start_epoch, groups) if start_epoch < epochs else []
     if start_epoch < epochs and start_step > len(first):
         raise InputError(f"resume step {start_step} is past the {len(first)} steps of epoch {start_epoch}")
-    return _iter_steps(chosen, rejected, prompt, cfg, epochs, start_epoch, start_step, first)
+    return _iter_steps(chosen, rejected, prompt, cfg, epochs, start_epoch, start_step, first, groups)
 
 
-def _iter_steps(chosen, rejected, prompt, cfg, epochs, start_epoch, start_step, first) -> Iterator[StepPlan]:
+def _iter_steps(chosen, rejected, prompt, cfg, epochs, start_epoch, start_step, first, groups) -> Iterator[StepPlan]:
     for epoch in range(start_epoch, epochs):
-        steps = first if epoch == start_epoch else step_compositions(chosen, rejected, cfg, epoch)
+        steps = first if epoch == start_epoch else step_compositions(chosen, rejected, cfg, epoch, groups)
         for step in range(start_step if epoch == start_epoch else 0, len(steps)):
-            yield _plan_step(steps[step], chosen, rejected, prompt, cfg, epoch, step)
+            yield _plan_step(steps[step], chosen, rejected, prompt, cfg, epoch, step, groups)
 
 
 # ----------------------------------------------------------------------------- reporting
 
 
-def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 1, prompt_lengths=None) -> dict:
+def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 1, prompt_lengths=None,
+               groups: PairGroups | None = None) -> dict:
     """Quality of the packed plan next to the padded baseline on the same steps (the ``pack-stats`` command).
 
     real_tokens: the tokens of the packed rows (each prompt once with ``cfg.prefix_sharing``).
@@ -525,6 +574,9 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
     sequence_tokens: both sequences of every pair (what a run without prefix sharing computes);
       prompt_tokens_shared = sequence_tokens - real_tokens, the tokens prefix sharing does not compute, and
       prefix_sharing_ideal_speedup = sequence_tokens / real_tokens (1.0 without sharing).
+    With ``groups``: prompt_groups (the data's groups), prefix_shared_tokens (each pair's prompt once, what prefix
+    sharing alone computes) and prompt_groups_ideal_speedup = prefix_shared_tokens / real_tokens (what grouping
+    saves over prefix sharing alone; 1.0 with --no-prompt-groups).
     padded_utilization: sequence tokens / computed tokens of the padded baseline (micro_batch_pairs pairs
       per micro-batch, pairs dealt by count; its 1-token dummy rows included).
     padded_step_utilization: mean over steps of step sequence tokens / (world * max-rank padded computed tokens).
@@ -533,14 +585,14 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
     started = time.perf_counter()
     rank_tokens, rows_per_rank, lockstep, dummy_rows = [], [], 0, 0
     for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, packing=True), epochs,
-                          prompt_lengths=prompt_lengths):
+                          prompt_lengths=prompt_lengths, groups=groups):
         rank_tokens.append(plan.rank_tokens)
         rows_per_rank.append(plan.rows_per_rank)
         lockstep += sum(max(rows[i].tokens for rows in plan.ranks) for i in range(plan.rows_per_rank))
         dummy_rows += sum(1 for rows in plan.ranks for row in rows if not row.pairs)
     planning_seconds = time.perf_counter() - started
     padded_rank_computed, padded_rows_per_rank, step_sequence_tokens = [], [], []
-    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, packing=False), epochs):
+    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, packing=False), epochs, groups=groups):
         padded_rank_computed.append(plan.rank_computed_tokens)
         padded_rows_per_rank.append(plan.rows_per_rank)
         step_sequence_tokens.append(sum(plan.rank_tokens))
@@ -554,6 +606,11 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
     padded_computed = int(padded_rank_computed.sum())
     step_utilization = rank_tokens.mean(axis=1) / rank_tokens.max(axis=1)
     rows = sum(rows_per_rank) * world
+    grouping = {}
+    if groups is not None and prompt_lengths is not None:
+        shared = int(pair_tokens(chosen_lengths, rejected_lengths, prompt_lengths, True).sum()) * epochs
+        grouping = {"prompt_groups": cfg.prompt_groups, "groups": groups.count, "prefix_shared_tokens": shared,
+                    "prompt_groups_ideal_speedup": shared / real_tokens}
     return {
         "pairs": int(len(chosen_lengths)),
         "epochs": epochs,
@@ -581,6 +638,7 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
         "padded_step_utilization": float((step_sequence_tokens / (world * padded_rank_computed.max(axis=1))).mean()),
         "padded_rows_per_rank": {"min": min(padded_rows_per_rank), "max": max(padded_rows_per_rank)},
         "planning_seconds": planning_seconds,
+        **grouping,
     }
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import InputError
 from .plan import PlanConfig, StepPlan, iter_plan, pair_tokens, steps_per_epoch, validate_lengths, warn_if_ranks_idle
 from .prepare import PreparedPairs
+from .prompt_groups import PairGroups, pair_groups
 
 
 def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int, sp_size: int, pair_ids,
@@ -32,12 +33,22 @@ def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int
                          f"{-(-need // per_rank_budget)}")
 
 
+def prompt_groups_of(prepared: PreparedPairs) -> PairGroups:
+    """The pairs' prompt groups (same prompt token ids), computed once per PreparedPairs object."""
+    groups = prepared.__dict__.get("_prompt_groups")
+    if groups is None:
+        columns = prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])[:]
+        groups = pair_groups(columns["prompt_ids"], columns["chosen_ids"], columns["rejected_ids"])
+        prepared.__dict__["_prompt_groups"] = groups
+    return groups
+
+
 def run_plan(prepared: PreparedPairs, plan_cfg: PlanConfig, epochs: int, start_epoch: int = 0,
              start_step: int = 0) -> Iterator[StepPlan]:
     """The steps of a run over its tokenized pairs: ``iter_plan`` with every length the plan may need (the prompts',
-    for rows that hold each prompt once)."""
+    for rows that hold each prompt once) and the prompt groups (the unit of the steps whatever the layout)."""
     return iter_plan(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs, start_epoch, start_step,
-                     prompt_lengths=prepared.prompt_lengths)
+                     prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
 
 
 def checked_plan_config(cfg, layout, prepared: PreparedPairs) -> PlanConfig:
@@ -58,7 +69,8 @@ def total_steps(cfg, plan_cfg: PlanConfig, prepared: PreparedPairs) -> int:
     """Optimizer steps of the run: every epoch's steps (--epochs; --tokens-per-step steps differ per epoch), cut at
     --max-steps.  The LR schedule spans them."""
     lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
-    steps = sum(steps_per_epoch(*lengths, plan_cfg, epoch=e) for e in range(cfg.epochs))
+    steps = sum(steps_per_epoch(*lengths, plan_cfg, epoch=e, groups=prompt_groups_of(prepared))
+                for e in range(cfg.epochs))
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
 
@@ -76,13 +88,16 @@ def plan_figures(plan_cfg: PlanConfig, prepared: PreparedPairs, epochs: int, ste
     """What the run's ``steps`` steps hold: pairs, real tokens, forwards per rank, and the lock-step utilization
     (real tokens / (ranks x sum over row slots of the slot's largest computed row), what ZeRO-3 pays)."""
     pairs = real = lockstep = 0
-    rows = []
+    rows, step_pairs = [], []
     for index, plan in enumerate(run_plan(prepared, plan_cfg, epochs)):
         if index >= steps:
             break
         pairs += plan.num_pairs
+        step_pairs.append(plan.num_pairs)
         real += sum(plan.rank_tokens)
         rows.append(plan.rows_per_rank)
         lockstep += sum(max(ranks[i].computed_tokens for ranks in plan.ranks) for i in range(plan.rows_per_rank))
+    grouped = prompt_groups_of(prepared).count < len(prepared.chosen_lengths)  # steps of whole groups: sizes vary
     return {"pairs": pairs, "tokens": real, "rows_per_rank": {"min": min(rows), "max": max(rows)},
+            **({"pairs_per_step": {"min": min(step_pairs), "max": max(step_pairs)}} if grouped else {}),
             "lockstep_utilization": real / (plan_cfg.dp_size * lockstep)}

@@ -35,20 +35,47 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True)
 class PrefixLayout:
-    """Where the pairs of a prefix-shared row lie: block g holds ``[prompt | chosen | rejected]`` of
-    ``blocks[g] = (P, C, R)`` tokens.  Prompt tokens attend to the prompt, chosen ones to the prompt and the chosen
-    before them, rejected ones to the prompt and the rejected before them (never to chosen).  A block with no
-    completions, ``(L, 0, 0)``, is one causal sequence (the padding that sequence parallelism appends)."""
+    """Where the prompt groups of a prefix-shared row lie: block g holds ``[prompt | r1 | ... | rk]`` of
+    ``blocks[g] = (P, R1, ..., Rk)`` tokens (k >= 1; a pair is the k = 2 case ``(P, C, R)``).  Prompt tokens attend
+    to the prompt; the tokens of response j to the prompt and the tokens of response j before them, never another
+    response.  A block ``(L, 0, 0)`` is one causal sequence (the padding that sequence parallelism appends)."""
 
-    blocks: tuple[tuple[int, int, int], ...]
+    blocks: tuple[tuple[int, ...], ...]
 
     @property
     def tokens(self) -> int:
-        return sum(p + c + r for p, c, r in self.blocks)
+        return sum(sum(block) for block in self.blocks)
 
     def padded(self, tokens: int) -> PrefixLayout:
         """The layout with ``tokens`` more at the end, as one sequence of their own (nothing when 0)."""
         return PrefixLayout(self.blocks + ((tokens, 0, 0),)) if tokens else self
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """One prompt and its distinct responses, with the pairs drawn from them: ``pairs[i] = (chosen response,
+    rejected response)`` (indices into ``responses``) of the planned pair ``pair_indices[i]``."""
+
+    prompt_ids: tuple[int, ...]
+    responses: tuple[tuple[int, ...], ...]
+    pairs: tuple[tuple[int, int], ...]
+    pair_indices: tuple[int, ...]
+
+
+def group_pairs(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int]) -> list[PromptGroup]:
+    """The pairs grouped by prompt token ids (first appearance order), identical responses of a group kept once."""
+    if len(pairs) != len(pair_indices):
+        raise ValueError(f"got {len(pairs)} pairs but {len(pair_indices)} pair indices")
+    found: dict[tuple[int, ...], tuple[dict, list, list]] = {}
+    for pair, index in zip(pairs, pair_indices):
+        prompt = tuple(int(t) for t in pair["prompt_ids"])
+        responses, members, indices = found.setdefault(prompt, ({}, [], []))
+        sides = [responses.setdefault(tuple(int(t) for t in pair[key]), len(responses))
+                 for key in ("chosen_ids", "rejected_ids")]
+        members.append(tuple(sides))
+        indices.append(index)
+    return [PromptGroup(prompt, tuple(responses), tuple(members), tuple(indices))
+            for prompt, (responses, members, indices) in found.items()]
 
 
 @dataclass
@@ -69,6 +96,10 @@ class ModelBatch:
     fork_labels: torch.Tensor | None = None  # [1, T] long
     prefix_layout: PrefixLayout | None = None
     prompt_tokens_shared: int = 0
+    # Grouped rows only: pair p's (chosen, rejected) sequences when they are not the canonical (2p, 2p + 1), and the
+    # number of sequences (responses) the row computes.
+    pair_sequences: torch.Tensor | None = None  # [P, 2] long
+    sequences: int = 0
 
     def to(self, device) -> "ModelBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -79,7 +110,7 @@ class ModelBatch:
 
     @property
     def num_sequences(self) -> int:
-        return 2 * self.num_pairs
+        return self.sequences or 2 * self.num_pairs
 
     @property
     def seq_pair(self) -> torch.Tensor:
@@ -175,63 +206,93 @@ def collate_packed(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
     )
 
 
-def collate_shared(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int],
-                   pad_token_id: int) -> ModelBatch:
-    """One padding-free row with every prompt once: p0 c0 r0, p1 c1 r1, ... (see :class:`PrefixLayout`).
+def collate_groups(groups: Sequence[PromptGroup], pad_token_id: int,
+                   pair_order: Sequence[int] | None = None) -> ModelBatch:
+    """One padding-free row with every prompt group once: ``[prompt | r1 | ... | rk]`` block by block (see
+    :class:`PrefixLayout`), response j of a group its sequence ``first + j``.
 
-    Positions: the prompt 0..P-1, chosen P..P+C-1, rejected P..P+R-1, so every token sits where it would in its
-    own sequence.  The prompt's last position predicts both completions' first tokens (``labels`` and
-    ``fork_labels``).  A completion may be empty (nothing of it is scored); the prompt may not.
+    Positions: the prompt 0..P-1, every response P..P+Rj-1, so each token sits where it would in its own sequence.
+    The prompt's last position predicts the first token of every response: response 1's in ``labels``, response
+    j's in row j - 2 of ``fork_labels`` (scored for sequence ``seq_index + j - 1``).  The pairs' log-probs are
+    looked up from the responses' (``pair_sequences``), in ``pair_order`` (the groups' order by default).  A
+    response may be empty; the prompt may not.
     """
-    if len(pairs) == 0:
+    pair_indices = list(pair_order) if pair_order is not None else [i for group in groups for i in group.pair_indices]
+    if not pair_indices:
         return _dummy(pad_token_id, packed=True)
-    if len(pairs) != len(pair_indices):
-        raise ValueError(f"got {len(pairs)} pairs but {len(pair_indices)} pair indices")
-    pieces, blocks = [], []
-    for pair, index in zip(pairs, pair_indices):
-        parts = [np.asarray(pair[key], dtype=np.int64) for key in ("prompt_ids", "chosen_ids", "rejected_ids")]
-        _check_prompt(parts[0], index)
-        pieces += parts
-        blocks.append(tuple(part.size for part in parts))
-    ids = torch.from_numpy(np.concatenate(pieces))
-    part_lengths = torch.tensor(blocks, dtype=torch.long).reshape(-1)  # P0 C0 R0 P1 C1 R1 ...
-    part = torch.repeat_interleave(torch.arange(part_lengths.numel()), part_lengths)
-    block, kind = part // 3, part % 3  # kind 0 prompt, 1 chosen, 2 rejected
-    part_starts = torch.cumsum(part_lengths, 0) - part_lengths
-    within = torch.arange(ids.numel()) - part_starts[part]
-    prompt_lengths = part_lengths[0::3][block]
-    positions = within + torch.where(kind == 0, 0, prompt_lengths)
-    seq_index = 2 * block + (kind == 2)
-    ignore = torch.full_like(ids, IGNORE_INDEX)
-    # A completion token predicts the next one of its side; the prompt's last token the first of each side.
-    labels = torch.where((kind > 0) & (within + 1 < part_lengths[part]), torch.roll(ids, -1), ignore)
-    last_prompt = (kind == 0) & (within == prompt_lengths - 1)
-
-    def first_token(side: int) -> torch.Tensor:  # at each prompt's last position: the side's first token, if any
-        start = part_starts[3 * block + side].clamp_max(ids.numel() - 1)
-        return torch.where(last_prompt & (part_lengths[3 * block + side] > 0), ids[start], ignore)
-
-    labels = torch.where(last_prompt, first_token(1), labels)
+    forks = max(1, max(len(group.responses) for group in groups) - 1)
+    ids, positions, seq_index, labels, blocks, pair_sequences = [], [], [], [], [], {}
+    fork_at: list[tuple[int, int, int]] = []  # (fork row, flat position, token)
+    start = first = real = 0
+    for group in groups:
+        prompt = np.asarray(group.prompt_ids, dtype=np.int64)
+        _check_prompt(prompt, group.pair_indices[0])
+        responses = [np.asarray(r, dtype=np.int64) for r in group.responses]
+        size = prompt.size
+        ids.append(prompt)
+        positions.append(np.arange(size))
+        seq_index.append(np.full(size, first))
+        prompt_labels = np.full(size, IGNORE_INDEX)
+        for j, response in enumerate(responses):
+            ids.append(response)
+            positions.append(size + np.arange(response.size))
+            seq_index.append(np.full(response.size, first + j))
+            labels.append(np.append(response[1:], IGNORE_INDEX)[:response.size])
+            if response.size and j == 0:
+                prompt_labels[-1] = response[0]
+            elif response.size:
+                fork_at.append((j - 1, start + size - 1, int(response[0])))
+        labels.insert(len(labels) - len(responses), prompt_labels)
+        for (chosen, rejected), index in zip(group.pairs, group.pair_indices):
+            pair_sequences[index] = (first + chosen, first + rejected)
+            real += 2 * size + len(group.responses[chosen]) + len(group.responses[rejected])
+        blocks.append((size, *(r.size for r in responses)))
+        start += sum(blocks[-1])
+        first += len(responses)
+    flat = torch.from_numpy(np.concatenate(ids))
+    fork_labels = torch.full((forks, flat.numel()), IGNORE_INDEX, dtype=torch.long)
+    for row, position, token in fork_at:
+        fork_labels[row, position] = token
     lengths = torch.tensor([sum(b) for b in blocks], dtype=torch.int32)
     cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(lengths, 0)
-    prompt_tokens = sum(b[0] for b in blocks)
+    pairs = torch.tensor([pair_sequences[index] for index in pair_indices], dtype=torch.long)
+    canonical = torch.equal(pairs.reshape(-1), torch.arange(2 * len(pair_indices)))
     return ModelBatch(
-        input_ids=ids[None],
-        position_ids=positions[None],
+        input_ids=flat[None],
+        position_ids=torch.from_numpy(np.concatenate(positions))[None],
         attention_mask=None,
-        labels=labels[None],
-        seq_index=seq_index[None],
-        cu_seqlens=cu_seqlens,  # the pair blocks
+        labels=torch.from_numpy(np.concatenate(labels))[None],
+        seq_index=torch.from_numpy(np.concatenate(seq_index))[None],
+        cu_seqlens=cu_seqlens,  # the group blocks
         max_seqlen=int(lengths.max()),
-        num_pairs=len(pairs),
+        num_pairs=len(pair_indices),
         pair_indices=torch.as_tensor(pair_indices, dtype=torch.long),
-        real_tokens=ids.numel() + prompt_tokens,
-        computed_tokens=ids.numel(),
-        fork_labels=first_token(2)[None],
+        real_tokens=real,
+        computed_tokens=flat.numel(),
+        fork_labels=fork_labels,
         prefix_layout=PrefixLayout(tuple(blocks)),
-        prompt_tokens_shared=prompt_tokens,
+        prompt_tokens_shared=real - flat.numel(),
+        pair_sequences=None if canonical else pairs,
+        sequences=0 if canonical else first,
     )
+
+
+def collate_shared(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int],
+                   pad_token_id: int) -> ModelBatch:
+    """Prefix sharing alone: every pair its own group ``[prompt | chosen | rejected]`` (the k = 2 case of
+    :func:`collate_groups`; pair p is sequences 2p and 2p + 1)."""
+    if len(pairs) != len(pair_indices):
+        raise ValueError(f"got {len(pairs)} pairs but {len(pair_indices)} pair indices")
+    return collate_groups([PromptGroup(tuple(pair["prompt_ids"]), (tuple(pair["chosen_ids"]),
+                                                                    tuple(pair["rejected_ids"])), ((0, 1),), (index,))
+                           for pair, index in zip(pairs, pair_indices)], pad_token_id)
+
+
+def collate_grouped(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int],
+                    pad_token_id: int) -> ModelBatch:
+    """Pairs whose prompts repeat grouped (:func:`group_pairs`): every prompt and distinct response once."""
+    return collate_groups(group_pairs(pairs, pair_indices), pad_token_id, pair_indices)
 
 
 def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int],
@@ -268,7 +329,7 @@ def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
 
 
 def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, packed: bool = True,
-                shared_prefix: bool = False) -> ModelBatch:
+                shared_prefix: bool = False, grouped: bool = False) -> ModelBatch:
     """The model inputs of one planned row: its pairs (positional indices) looked up in the tokenized columns
     (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), packed (each prompt once with
     ``shared_prefix``) or padded."""
@@ -278,5 +339,6 @@ def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, packed:
         cols = columns[indices]
         pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
                  for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
-    collate = (collate_shared if shared_prefix else collate_packed) if packed else collate_padded
+    collate = ((collate_grouped if grouped else collate_shared if shared_prefix else collate_packed) if packed
+               else collate_padded)
     return collate(pairs, indices, pad_token_id)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SequenceLogps", "sequence_logps", "model_forward_kwargs", "forward_logps", "completion_token_logps",
            "lean_token_logps", "lean_lm_head", "final_logit_softcap", "scored_tokens", "auto_chunk_tokens",
-           "LOGPS_IMPLS", "AUTO_CHUNK"]
+           "LOGPS_IMPLS", "AUTO_CHUNK", "pair_ordered"]
 
 
 @dataclass
@@ -348,8 +348,8 @@ def scored_tokens(batch: ModelBatch) -> tuple[torch.Tensor, torch.Tensor, torch.
     positions, and in a prefix-shared row each prompt's last position again for its rejected completion
     (``fork_labels``, sequence ``seq_index + 1``).  One ``nonzero`` (one device sync)."""
     labels = batch.labels.reshape(1, -1)
-    if batch.fork_labels is not None:
-        labels = torch.cat([labels, batch.fork_labels.reshape(1, -1)])
+    if batch.fork_labels is not None:  # row f: the first token of the group's response f + 2
+        labels = torch.cat([labels, batch.fork_labels.reshape(-1, labels.shape[1])])
     fork, rows = (labels != -100).nonzero(as_tuple=True)
     return rows, labels[fork, rows], batch.seq_index.reshape(-1)[rows] + fork
 
@@ -418,4 +418,14 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str =
     else:
         token_logps, mean_logit = _lean_logps_at(_final_hidden_states(model, batch, attn), rows, targets, head,
                                                  chunk_tokens, final_logit_softcap(model))
-    return _per_sequence(seq, token_logps, mean_logit, batch.num_sequences)
+    return pair_ordered(_per_sequence(seq, token_logps, mean_logit, batch.num_sequences), batch)
+
+
+def pair_ordered(per_sequence: SequenceLogps, batch: ModelBatch) -> SequenceLogps:
+    """Per-response sums of a grouped row looked up per pair into the canonical order (2p chosen, 2p + 1 rejected);
+    a response in several pairs passes each its sum, and its gradient is their total.  Other rows unchanged."""
+    if batch.pair_sequences is None:
+        return per_sequence
+    order = batch.pair_sequences.reshape(-1)
+    return SequenceLogps(*(values.index_select(0, order) for values in
+                           (per_sequence.logps, per_sequence.tokens, per_sequence.logits_sum)))

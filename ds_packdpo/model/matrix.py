@@ -18,7 +18,7 @@ import torch
 from ..errors import InputError
 from .attention import check_model_attention, sliding_window_of
 from .build import SLIDING_WINDOW, build_model, tiny_config
-from .collate import collate_packed, collate_padded, collate_shared
+from .collate import collate_grouped, collate_packed, collate_padded, collate_shared
 from .guard import synthetic_pairs
 from .logps import forward_logps
 
@@ -30,6 +30,22 @@ def matrix_pairs(num_pairs: int = 2) -> list[dict]:
     return synthetic_pairs(num_pairs, VOCAB, seed=2, max_tokens=12, min_prompt_tokens=SLIDING_WINDOW + 2)
 
 
+def matrix_group_pairs(num_pairs: int = 2) -> list[dict]:
+    """:func:`matrix_pairs` and, per prompt, every pair more that its responses and the next pair's make (all
+    responses of a group differ; one response in up to three pairs): prompt groups of three responses."""
+    base = matrix_pairs(num_pairs)
+    pairs = list(base)
+    for pair, other in zip(base, base[1:] + base[:1]):
+        third = other["chosen_ids"]
+        pairs += [{"prompt_ids": pair["prompt_ids"], "chosen_ids": pair["chosen_ids"], "rejected_ids": third},
+                  {"prompt_ids": pair["prompt_ids"], "chosen_ids": third, "rejected_ids": pair["rejected_ids"]}]
+    return pairs
+
+
+def _pairs(num_pairs: int, grouped: bool) -> list[dict]:
+    return matrix_group_pairs(num_pairs) if grouped else matrix_pairs(num_pairs)
+
+
 def _weights(count: int, device) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, count, device=device)  # a loss of every sequence's log-prob, signs mixed
 
@@ -39,10 +55,12 @@ def _model(arch: str, attn: str, dtype: torch.dtype, device: str):
 
 
 @functools.cache
-def eager_alone(arch: str, dtype: torch.dtype = torch.float32, device: str = "cpu", num_pairs: int = 2):
-    """(log-probs [S] in fp64, parameter gradients, sequence lengths) with every sequence alone, eager."""
+def eager_alone(arch: str, dtype: torch.dtype = torch.float32, device: str = "cpu", num_pairs: int = 2,
+                grouped: bool = False):
+    """(log-probs [S] in fp64, parameter gradients, sequence lengths) with every sequence of every pair alone,
+    eager (``grouped``: the pairs of :func:`matrix_group_pairs`)."""
     model = _model(arch, "eager", dtype, device)
-    pairs = matrix_pairs(num_pairs)
+    pairs = _pairs(num_pairs, grouped)
     padded = collate_padded(pairs, list(range(len(pairs))), 0).to(device)
     weights = _weights(padded.num_sequences, device)
     logps = torch.zeros(padded.num_sequences, dtype=torch.float64, device=device)
@@ -59,22 +77,24 @@ def eager_alone(arch: str, dtype: torch.dtype = torch.float32, device: str = "cp
 
 
 def matrix_outcome(arch: str, attn: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                   num_pairs: int = 2, shared_prefix: bool = False) -> dict:
+                   num_pairs: int = 2, shared_prefix: bool = False, grouped: bool = False) -> dict:
     """``{"verdict": "refused", "message"}`` or ``{"verdict": "measured", ...}``: the largest log-prob difference
     (absolute, on sums), per completion token, and the largest gradient difference with the gradients' scale.
-    ``shared_prefix`` lays the row out with each pair's prompt once (prefix sharing)."""
+    ``shared_prefix`` lays the row out with each pair's prompt once (prefix sharing); ``grouped`` runs the pairs
+    of :func:`matrix_group_pairs` as prompt groups, each response once, against each pair alone."""
     config = tiny_config(arch, vocab_size=VOCAB)
     try:
         check_model_attention(config, attn, f"--model-config tiny-{arch}")
     except InputError as error:
         return {"arch": arch, "attn": attn, "verdict": "refused", "message": str(error)}
     model = _model(arch, attn, dtype, device)
-    pairs = matrix_pairs(num_pairs)
-    packed = (collate_shared if shared_prefix else collate_packed)(pairs, list(range(len(pairs))), 0).to(device)
-    result = forward_logps(model, packed, attn)
-    (result.logps * _weights(packed.num_sequences, device)).sum().backward()
+    pairs = _pairs(num_pairs, grouped)
+    collate = collate_grouped if grouped else collate_shared if shared_prefix else collate_packed
+    packed = collate(pairs, list(range(len(pairs))), 0).to(device)
+    result = forward_logps(model, packed, attn)  # per pair: 2p chosen, 2p + 1 rejected, in every layout
+    (result.logps * _weights(2 * packed.num_pairs, device)).sum().backward()
     grads = [p.grad.float() for p in model.parameters()]
-    want_logps, want_grads, lengths = eager_alone(arch, dtype, device, num_pairs)
+    want_logps, want_grads, lengths = eager_alone(arch, dtype, device, num_pairs, grouped)
     diff = (result.logps.detach().double() - want_logps).abs()
     return {"arch": arch, "attn": attn, "verdict": "measured", "dtype": str(dtype).removeprefix("torch."),
             "sliding_window": sliding_window_of(config), "shortest_sequence": int(lengths.min()),

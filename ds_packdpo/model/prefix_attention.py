@@ -1,4 +1,5 @@
-"""Attention of prefix-shared rows: each pair's prompt computed once for both of its completions.
+"""Attention of prefix-shared rows: each prompt computed once for all of its responses (a pair's two, or a
+prompt group's k: every later response below is handled like the rejected one).
 
 A pair of a prefix-shared row is one block ``[prompt | chosen | rejected]``
 (:class:`~ds_packdpo.model.collate.PrefixLayout`).  Its attention is two causal pieces:
@@ -118,15 +119,17 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # repeated KV heads, not enable_gqa: the fused CPU kernel skips GQA inputs (attention.py)
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-    sizes = [n for p, c, r in layout.blocks for n in (p + c, r)]
+    sizes = [n for block in layout.blocks for n in (block[0] + block[1], *block[2:])]
     q, k, v = (t.transpose(0, 1)[None].split(sizes, dim=2) for t in (query, key, value))  # [1, H, L, D] views
-    outputs = []
-    for block, (prompt, _, rejected) in enumerate(layout.blocks):
-        first, second = 2 * block, 2 * block + 1
+    outputs, first = [], 0
+    for block in layout.blocks:  # prompt + r1 causal; every later response over the prompt's keys and its own
+        prompt = block[0]
         outputs.append(_block_attention(q[first], None, None, k[first], v[first], scale, sliding_window, softcap))
-        if rejected:
-            outputs.append(_block_attention(q[second], k[first][:, :, :prompt], v[first][:, :, :prompt], k[second],
-                                            v[second], scale, sliding_window, softcap))
+        for piece, size in enumerate(block[2:], start=first + 1):
+            if size:
+                outputs.append(_block_attention(q[piece], k[first][:, :, :prompt], v[first][:, :, :prompt], k[piece],
+                                                v[piece], scale, sliding_window, softcap))
+        first += len(block) - 1
     return torch.cat(outputs, dim=2)[0].transpose(0, 1)
 
 
@@ -137,22 +140,24 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 def flash_segments(layout: PrefixLayout, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """(cu_seqlens_q, cu_seqlens_k, key index, max_seqlen_q, max_seqlen_k) of one varlen call over a shared row.
 
-    Query segments are the row's own pieces, prompt + chosen then rejected, block by block; the key segment of a
-    rejected piece is the prompt's keys followed by its own (the key index gathers them).  Computed once per row
+    Query segments are the row's own pieces, prompt + first response then each later response, block by block;
+    the key segment of a later response is the prompt's keys followed by its own (the key index gathers them).  Computed once per row
     and device, not per layer.
     """
     query_lengths, key_lengths, index = [], [], []
     start = 0
-    for prompt, chosen, rejected in layout.blocks:
-        query_lengths.append(prompt + chosen)
-        key_lengths.append(prompt + chosen)
-        index.append(torch.arange(start, start + prompt + chosen))
-        if rejected:
-            query_lengths.append(rejected)
-            key_lengths.append(prompt + rejected)
-            index += [torch.arange(start, start + prompt), torch.arange(start + prompt + chosen, start + prompt + chosen
-                                                                        + rejected)]
-        start += prompt + chosen + rejected
+    for prompt, head, *rest in layout.blocks:
+        query_lengths.append(prompt + head)
+        key_lengths.append(prompt + head)
+        index.append(torch.arange(start, start + prompt + head))
+        offset = start + prompt + head
+        for size in rest:
+            if size:
+                query_lengths.append(size)
+                key_lengths.append(prompt + size)
+                index += [torch.arange(start, start + prompt), torch.arange(offset, offset + size)]
+            offset += size
+        start = offset
 
     def offsets(lengths: list[int]) -> torch.Tensor:
         return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)

@@ -319,7 +319,8 @@ class Run:
         on this rank's device."""
         setup = self.setup
         return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.cfg.packing,
-                           shared_prefix=setup.prefix_sharing).to(self.device)
+                           shared_prefix=setup.prefix_sharing,
+                           grouped=setup.prefix_sharing and setup.cfg.prompt_groups).to(self.device)
 
     def check_packing(self) -> None:
         """The start-up guard (packed runs): packed log-probs, in the run's layout (prefix-shared or not), equal each

@@ -109,7 +109,7 @@ def slice_row(batch: ModelBatch, sp_size: int, sp_rank: int, pad_token_id: int) 
         cu_seqlens = torch.tensor([0, length], dtype=torch.int32, device=device)
 
     def extend(values: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-        return torch.cat([values, tail.to(values)[None]], dim=1) if pad else values
+        return torch.cat([values, tail.to(values).expand(values.shape[0], -1)], dim=1) if pad else values
 
     filler = torch.full((pad,), 0, dtype=torch.long, device=device)
     pieces = {

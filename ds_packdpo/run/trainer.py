@@ -134,7 +134,8 @@ def plan_summary(setup: RunSetup) -> dict:
     held_out = setup.held_out.pairs.chosen_lengths.size if setup.held_out else 0
     return {"pairs": figures["pairs"], "train_pairs": int(setup.prepared.chosen_lengths.size),
             "steps": schedule.total_steps, "layout": setup.layout.as_dict(),
-            "attention": {"backend": setup.attn, "dtype": cfg.dtype, "prefix_sharing": setup.prefix_sharing}, **figures,
+            "attention": {"backend": setup.attn, "dtype": cfg.dtype, "prefix_sharing": setup.prefix_sharing,
+                          "prompt_groups": setup.prefix_sharing and cfg.prompt_groups}, **figures,
             "eval_pairs": held_out, "eval_steps": cfg.eval_steps if held_out else None,
             "schedule": dataclasses.asdict(schedule), "deepspeed_scheduler": setup.ds_config.get("scheduler")}
 
@@ -142,7 +143,8 @@ def plan_summary(setup: RunSetup) -> dict:
 def describe_attention(attention: dict) -> str:
     """The backend that runs, in the plan line: ``attention torch_varlen bf16 with prefix sharing``."""
     sharing = "with" if attention["prefix_sharing"] else "without"
-    return f"attention {attention['backend']} {attention['dtype']} {sharing} prefix sharing"
+    groups = " and prompt groups" if attention.get("prompt_groups") else ""
+    return f"attention {attention['backend']} {attention['dtype']} {sharing} prefix sharing{groups}"
 
 
 def describe_plan(summary: dict) -> str:
@@ -154,7 +156,11 @@ def describe_plan(summary: dict) -> str:
         held_out = f"; eval on {summary['eval_pairs']} held-out pairs {every}at the end"
     else:
         held_out = "; no evaluation"
-    return (f"plan: {summary['pairs']} pairs in {summary['steps']} steps ({summary['train_pairs']} training pairs), "
+    per_step = summary.get("pairs_per_step", {"min": 0, "max": 0})
+    varying = (f" ({per_step['min']}-{per_step['max']} pairs per step: whole prompt groups)"
+               if per_step["min"] != per_step["max"] else "")
+    return (f"plan: {summary['pairs']} pairs in {summary['steps']} steps{varying} ({summary['train_pairs']} training "
+            f"pairs), "
             f"{rows} per rank on {describe_sizes(summary['layout'])}, {describe_attention(summary['attention'])}, "
             f"lock-step utilization "
             f"{summary['lockstep_utilization']:.3f}{held_out}; schedule: {Schedule(**summary['schedule']).describe()}")
