@@ -37,6 +37,11 @@ def _opt(help_text: str, default=None, choices=None, **meta):
     return field(default=default, metadata={"help": help_text, "choices": choices, **meta})
 
 
+# --loss names (model.losses and TRL 1.16's family, model.loss_family), checked in phase one without the model stack
+LOSS_NAMES = ("sigmoid", "robust", "hinge", "ipo", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+
+
 @dataclass
 class TrainConfig:
     # --- model ---
@@ -121,7 +126,14 @@ class TrainConfig:
     weight_decay: float = _opt("AdamW weight decay.", 0.0)
     warmup_steps: int = _opt("Linear warm-up steps of the LR schedule (the LR reaches --lr at step N).", 0)
     max_grad_norm: float = _opt("Gradient clipping (0 disables).", 1.0)
-    loss: str = _opt("DPO-family loss.", "sigmoid", ("sigmoid", "robust", "hinge", "ipo", "simpo"))
+    loss: str = _opt("DPO-family loss, or several comma-separated (summed with --loss-weights): sigmoid, robust, "
+                     "hinge, ipo, simpo, or any TRL 1.16 loss type (exo_pair, nca_pair, bco_pair, sppo_hard, aot, "
+                     "aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm).", "sigmoid")
+    loss_weights: str | None = _opt("Comma-separated weight per --loss entry (same length); default 1 each.")
+    f_divergence_type: str = _opt("TRL's f-divergence of the log-ratio scores.", "reverse_kl",
+                                  ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"))
+    f_alpha_divergence_coef: float = _opt("Alpha of --f-divergence-type alpha_divergence.", 1.0)
+    discopop_tau: float = _opt("Temperature of the DiscoPOP mixing sigmoid.", 0.05)
     beta: float = _opt("DPO beta.", 0.1)
     label_smoothing: float = _opt("Conservative-DPO label smoothing.", 0.0)
     simpo_gamma: float = _opt("SimPO target margin.", 0.5)
@@ -246,8 +258,14 @@ class TrainConfig:
         # prepare and pack-stats never need.
         from .model.losses import LossConfig
 
+        try:
+            weights = None if self.loss_weights is None else tuple(float(w) for w in self.loss_weights.split(","))
+        except ValueError:
+            raise InputError(f"--loss-weights: {self.loss_weights!r} is not a comma-separated list of numbers") from None
         loss = LossConfig(loss_type=self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
-                          simpo_gamma=self.simpo_gamma, rpo_alpha=self.rpo_alpha)
+                          simpo_gamma=self.simpo_gamma, rpo_alpha=self.rpo_alpha, loss_weights=weights,
+                          f_divergence_type=self.f_divergence_type,
+                          f_alpha_divergence_coef=self.f_alpha_divergence_coef, discopop_tau=self.discopop_tau)
         loss.validate()
         return loss
 
@@ -278,6 +296,11 @@ class TrainConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise InputError(f"--{flag(f.name)} must be a finite number, got {value}")
+        unknown = [name for name in self.loss.split(",") if name not in LOSS_NAMES]
+        if unknown:
+            raise InputError(f"--loss: unknown loss {unknown[0]!r} (choices: {', '.join(LOSS_NAMES)})")
+        if self.loss_weights is not None and len(self.loss_weights.split(",")) != len(self.loss.split(",")):
+            raise InputError(f"--loss-weights: {self.loss_weights!r} has not one weight per --loss entry ({self.loss})")
         for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon"):
             if getattr(self, key) < 0:
                 raise InputError(f"--{flag(key)} must be >= 0, got {getattr(self, key)}")

@@ -9,10 +9,11 @@ import pytest
 import torch
 from trl.trainer.dpo_trainer import DPOTrainer
 
+from ds_packdpo.config import TrainConfig
 from ds_packdpo.errors import InputError
 from ds_packdpo.model.logps import SequenceLogps
 from ds_packdpo.model.loss_family import TRL_LOSS_TYPES, FamilyConfig, family_pair_losses
-from ds_packdpo.model.losses import global_normalized_loss
+from ds_packdpo.model.losses import global_normalized_loss, pair_losses
 
 PAIRS, LENGTH = 6, 10
 
@@ -104,3 +105,27 @@ def test_bad_combinations_are_refused_in_one_line(kwargs, flag):
     with pytest.raises(InputError) as info:
         FamilyConfig(**kwargs).validate()
     assert str(info.value).startswith(flag) and "\n" not in str(info.value)
+
+
+def test_loss_flags_reach_the_loss_and_change_it():
+    """--loss a,b --loss-weights and --f-divergence-type/--discopop-tau go through TrainConfig.loss_config()."""
+    completion, shifted, per_token, ref = example(seed=5)
+    tokens = canonical(shifted.sum(1))
+    policy = SequenceLogps(canonical((per_token * shifted).sum(1)).detach(), tokens, torch.zeros_like(tokens))
+    reference = SequenceLogps(canonical(ref), tokens, torch.zeros_like(tokens))
+
+    def loss_of(**flags):
+        return pair_losses(policy, reference, TrainConfig(**flags).loss_config())[0].mean()
+
+    plain = loss_of(loss="sigmoid")
+    assert loss_of(loss="sigmoid,aot", loss_weights="1,0") == pytest.approx(float(plain), rel=1e-12)
+    combined = loss_of(loss="sigmoid,aot", loss_weights="1,0.5")
+    aot = loss_of(loss="aot")
+    assert combined == pytest.approx(float(plain + 0.5 * aot), rel=1e-12)
+    assert loss_of(loss="sigmoid", f_divergence_type="js_divergence") != pytest.approx(float(plain))
+    assert loss_of(loss="discopop", discopop_tau=0.5) != pytest.approx(float(loss_of(loss="discopop")))
+    for flags, flag in (({"loss": "sigmoid,dpo"}, "--loss"), ({"loss": "sigmoid,ipo", "loss_weights": "1"},
+                                                                "--loss-weights")):
+        with pytest.raises(InputError) as info:
+            TrainConfig(**flags).validate()
+        assert str(info.value).startswith(flag) and "\n" not in str(info.value)
