@@ -40,6 +40,13 @@ def _opt(help_text: str, default=None, choices=None, **meta):
     return field(default=default, metadata={"help": help_text, "choices": choices, **meta})
 
 
+# --loss names (model.losses and TRL 1.16's family, model.loss_family), checked in phase one without the model stack
+LOSS_NAMES = ("sigmoid", "robust", "hinge", "ipo", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+# Their value for a pair depends on the other pairs of the batch: per micro-step they would depend on the layout.
+BATCH_COUPLED_LOSSES = ("aot", "aot_unpaired", "sft")
+
+
 @dataclass
 class TrainConfig:
     # --- model ---
@@ -127,7 +134,14 @@ class TrainConfig:
     weight_decay: float = _opt("AdamW weight decay.", 0.0)
     warmup_steps: int = _opt("Linear warm-up steps of the LR schedule (the LR reaches --lr at step N).", 0)
     max_grad_norm: float = _opt("Gradient clipping (0 disables).", 1.0)
-    loss: str = _opt("DPO-family loss.", "sigmoid", ("sigmoid", "robust", "hinge", "ipo", "simpo"))
+    loss: str = _opt("DPO-family loss, or several comma-separated (summed with --loss-weights): sigmoid, robust, "
+                     "hinge, ipo, simpo, or any TRL 1.16 loss type (exo_pair, nca_pair, bco_pair, sppo_hard, aot, "
+                     "aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm).", "sigmoid")
+    loss_weights: str | None = _opt("Comma-separated weight per --loss entry (same length); default 1 each.")
+    f_divergence_type: str = _opt("TRL's f-divergence of the log-ratio scores.", "reverse_kl",
+                                  ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"))
+    f_alpha_divergence_coef: float = _opt("Alpha of --f-divergence-type alpha_divergence.", 1.0)
+    discopop_tau: float = _opt("Temperature of the DiscoPOP mixing sigmoid.", 0.05)
     beta: float = _opt("DPO beta.", 0.1)
     label_smoothing: float = _opt("Conservative-DPO label smoothing.", 0.0)
     simpo_gamma: float = _opt("SimPO target margin.", 0.5)
@@ -259,8 +273,14 @@ class TrainConfig:
         # prepare and pack-stats never need.
         from .model.losses import LossConfig
 
+        try:
+            weights = None if self.loss_weights is None else tuple(float(w) for w in self.loss_weights.split(","))
+        except ValueError:
+            raise InputError(f"--loss-weights: {self.loss_weights!r} is not a comma-separated list of numbers") from None
         loss = LossConfig(loss_type=self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
-                          simpo_gamma=self.simpo_gamma, rpo_alpha=self.rpo_alpha)
+                          simpo_gamma=self.simpo_gamma, rpo_alpha=self.rpo_alpha, loss_weights=weights,
+                          f_divergence_type=self.f_divergence_type,
+                          f_alpha_divergence_coef=self.f_alpha_divergence_coef, discopop_tau=self.discopop_tau)
         loss.validate()
         return loss
 
@@ -295,6 +315,15 @@ class TrainConfig:
                 raise InputError(f"--{flag(f.name)} must be at most {LARGEST_COUNT}, got {value}")
         if not 0 <= self.seed <= LARGEST_SEED:
             raise InputError(f"--seed must be in [0, {LARGEST_SEED}] (numpy's seeds), got {self.seed}")
+        unknown = [name for name in self.loss.split(",") if name not in LOSS_NAMES]
+        if unknown:
+            raise InputError(f"--loss: unknown loss {unknown[0]!r} (choices: {', '.join(LOSS_NAMES)})")
+        coupled = [name for name in self.loss.split(",") if name in BATCH_COUPLED_LOSSES]
+        if coupled:
+            raise InputError(f"--loss {coupled[0]}: couples the step's pairs (a sort or token mean over the batch), "
+                             f"which training does not yet compute over the whole step on every layout")
+        if self.loss_weights is not None and len(self.loss_weights.split(",")) != len(self.loss.split(",")):
+            raise InputError(f"--loss-weights: {self.loss_weights!r} has not one weight per --loss entry ({self.loss})")
         for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight", "rpo_alpha"):
             if getattr(self, key) < 0:
                 raise InputError(f"--{flag(key)} must be >= 0, got {getattr(self, key)}")

@@ -88,7 +88,7 @@ def values(tmp_path, monkeypatch) -> dict[str, str]:
             "--config": str(config), "--ref-logps": str(ref), "--resume": str(model),
             "--configurations": "padded", "--adam-beta1": "0.5", "--adam-beta2": "0.5", "--optimizer": "SGD",
             "--report-to": "csv", "--logps-chunk-tokens": "256", "--out": str(tmp_path / "new_out.jsonl"),
-            "--max-shard-size": "200MB"}
+            "--max-shard-size": "200MB", "--loss": "sigmoid,ipo", "--loss-weights": "1"}
 
 
 def _options(parser: argparse.ArgumentParser):

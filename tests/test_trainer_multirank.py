@@ -77,6 +77,21 @@ def test_trajectory_independent_of_layout(tmp_path):
 
 
 @pytest.mark.multirank
+def test_combined_trl_losses_independent_of_layout(tmp_path):
+    """A weighted combination of TRL 1.16 losses (model/loss_family.py) gives one trajectory on 1 rank and on 2 ranks
+    with sequence parallelism and small rows (the layouts furthest apart)."""
+    combo = ("--loss", "sigmoid,bco_pair,ipo,nca_pair,apo_zero", "--loss-weights", "1,0.5,0.25,0.5,0.3")
+    reference = launch(tmp_path, "w1_combo", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing", *combo)
+    sp2 = launch(tmp_path, "w2_sp2_combo", 2, "--max-tokens-per-row", "100", "--sequence-parallel-size", "2", *combo)
+    plain = launch(tmp_path, "w1_sigmoid", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing")
+    assert reference[0]["loss"] != pytest.approx(plain[0]["loss"], rel=1e-3)  # --loss/--loss-weights reached the loss
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    for ref, got in zip(reference, sp2, strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, got[key], ref[key])
+
+
+@pytest.mark.multirank
 def test_uneven_data_finishes_without_hang(tmp_path):
     """3 pairs on 2 ranks: one rank runs a dummy row so both run the same number of forwards.  The same launch shows
     --loss and --warmup-steps in the metrics: IPO's step-1 loss (policy = reference) is (1 / (2 beta))^2, and the LR

@@ -20,11 +20,13 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from .logps import SequenceLogps
+from .loss_family import FamilyConfig, family_pair_losses
 
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")
 LENGTH_NORMALIZED = ("ipo", "simpo")
 REFERENCE_FREE = ("simpo",)
 _SMOOTHABLE = ("sigmoid", "robust", "simpo")
+_FAMILY_SMOOTHABLE = ("exo_pair", "robust", "aot", "aot_unpaired")
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,37 @@ class LossConfig:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     rpo_alpha: float = 0.0
+    loss_weights: tuple[float, ...] | None = None
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 1.0
+    discopop_tau: float = 0.05
+
+    @property
+    def family(self) -> FamilyConfig | None:
+        """The TRL 1.16 family settings (model.loss_family) when the loss needs them, else None.
+
+        A single loss of :data:`LOSS_TYPES` with TRL's defaults keeps this module's path (it also
+        takes label smoothing for sigmoid, as older TRL did)."""
+        names = tuple(self.loss_type.split(","))
+        if (len(names) == 1 and names[0] in LOSS_TYPES and self.loss_weights is None
+                and self.f_divergence_type == "reverse_kl"):
+            return None
+        return FamilyConfig(names, self.loss_weights, self.beta, self.label_smoothing, self.f_divergence_type,
+                            self.f_alpha_divergence_coef, self.discopop_tau)
 
     def validate(self) -> None:
+        family = self.family
+        if family is not None:
+            if "simpo" in family.loss_types:
+                raise InputError("--loss simpo is reference-free and cannot be combined with TRL's reference losses "
+                                 "or --loss-weights/--f-divergence-type")
+            family.validate()
+            if self.label_smoothing and not set(family.loss_types) & set(_FAMILY_SMOOTHABLE):
+                raise InputError(f"--label-smoothing {self.label_smoothing} has no effect with --loss "
+                                 f"{self.loss_type} (only {', '.join(_FAMILY_SMOOTHABLE)} use it); set it to 0")
+            if not (math.isfinite(self.rpo_alpha) and self.rpo_alpha >= 0):
+                raise InputError(f"--rpo-alpha must be a finite number >= 0, got {self.rpo_alpha}")
+            return
         if self.loss_type not in LOSS_TYPES:
             raise InputError(f"--loss: unknown loss {self.loss_type!r} (choices: {', '.join(LOSS_TYPES)})")
         if not (math.isfinite(self.beta) and self.beta > 0):
@@ -68,6 +99,12 @@ def pair_losses(policy: SequenceLogps, reference: SequenceLogps | None,
     ``logps/*`` and ``rewards/*`` use the log-probs the loss sees: per-token averages
     for IPO and SimPO, sums otherwise (as TRL reports them).
     """
+    family = cfg.family
+    if family is not None:
+        if reference is None:
+            raise ValueError(f"loss {cfg.loss_type!r} needs reference log-probs")
+        losses, metrics = family_pair_losses(policy, reference, family)
+        return _with_logits_and_rpo(losses, metrics, policy, cfg)
     normalized = cfg.loss_type in LENGTH_NORMALIZED
     chosen, rejected = _chosen_rejected(policy, normalized)
     beta, ls = cfg.beta, cfg.label_smoothing
@@ -98,9 +135,15 @@ def pair_losses(policy: SequenceLogps, reference: SequenceLogps | None,
         "rewards/margins": chosen_rewards - rejected_rewards,
         "logps/chosen": chosen.detach(),
         "logps/rejected": rejected.detach(),
-        "logits/chosen": policy.chosen_logits_sum / policy.chosen_tokens,
-        "logits/rejected": policy.rejected_logits_sum / policy.rejected_tokens,
     }
+    return _with_logits_and_rpo(losses, metrics, policy, cfg)
+
+
+def _with_logits_and_rpo(losses: torch.Tensor, metrics: dict[str, torch.Tensor], policy: SequenceLogps,
+                         cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Adds TRL's ``logits/*`` metrics and, with --rpo-alpha, the RPO NLL term and its ``nll_loss`` metric."""
+    metrics["logits/chosen"] = policy.chosen_logits_sum / policy.chosen_tokens
+    metrics["logits/rejected"] = policy.rejected_logits_sum / policy.rejected_tokens
     if cfg.rpo_alpha > 0:
         nll = -policy.chosen_logps / policy.chosen_tokens  # NLL per chosen token, per pair
         losses = losses + cfg.rpo_alpha * nll
