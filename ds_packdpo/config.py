@@ -322,6 +322,8 @@ class TrainConfig:
         if coupled:
             raise InputError(f"--loss {coupled[0]}: couples the step's pairs (a sort or token mean over the batch), "
                              f"which training does not yet compute over the whole step on every layout")
+        if not self.discopop_tau > 0:  # a temperature: DiscoPOP divides by it
+            raise InputError(f"--discopop-tau must be > 0, got {self.discopop_tau}")
         if self.loss_weights is not None and len(self.loss_weights.split(",")) != len(self.loss.split(",")):
             raise InputError(f"--loss-weights: {self.loss_weights!r} has not one weight per --loss entry ({self.loss})")
         for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight", "rpo_alpha"):

@@ -29,7 +29,7 @@ from ds_packdpo.model.build import tiny_config
 SEED = int(os.environ.get("DS_PACKDPO_FUZZ_SEED", "28"))
 COMBINATIONS = 40
 FRONT_ONLY = {"--num-procs": int, "--master-port": int}
-NEGATIVE_OK = {"--simpo-gamma"}  # a target margin may be negative
+NEGATIVE_OK = {"--simpo-gamma", "--f-alpha-divergence-coef"}  # a target margin, an alpha-divergence's alpha: any real
 BAD_TEXT = {int: ["-1", "-7", str(2**63), "1.5", "x", ""], float: ["nan", "inf", "-inf", "-1", "1e400", "x"]}
 OTHER = {int: ["0", "1", "3", "64", str(2**31)], float: ["0", "0.5", "1", "2", "1e-12"],
          str: ["", "/proc/ds_packdpo_fuzz/x", "a,b", "./nope"]}  # no bare names: a hub lookup retries for 23 s offline
