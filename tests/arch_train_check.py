@@ -29,7 +29,7 @@ from ds_packdpo.run.process_group import close_process_group, init_process_group
 from ds_packdpo.run.layout import ParallelLayout
 from ds_packdpo.run.trainer import plan_summary, train_loop
 
-PAIRS = 12
+PAIRS = 24  # at --max-length 40 the cut prompts repeat: steps of whole prompt groups, 3 of them from 24 pairs
 THREE_STEPS = ("mistral", "gemma3")
 FLAGS = ["--synthetic-pairs", str(PAIRS), "--global-batch-pairs", "4", "--max-length", "40", "--lr", "1e-3",
          "--attn", "auto", "--dtype", "auto", "--no-progress", "--overwrite"]
