@@ -107,7 +107,8 @@ def test_bench_report_is_consistent(bench_folder):
             assert step["loss"] == pytest.approx(want["loss"], rel=1e-5)
             assert step["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     # the same pairs in the same steps, laid out differently
-    assert packed["real_tokens"] == padded["real_tokens"] and packed["pairs"] == padded["pairs"] == 2 * 8
+    # (steps of whole prompt groups: the cut synthetic prompts repeat, so a step holds at least its 8 pairs)
+    assert packed["real_tokens"] == padded["real_tokens"] and packed["pairs"] == padded["pairs"] >= 2 * 8
     assert [s["sequence_lengths"] for s in packed["steps"]] == [s["sequence_lengths"] for s in padded["steps"]]
     # packed shares each pair's prompt: it computes real tokens less the prompts, none of them padding
     assert 0 < packed["prompt_tokens_shared"] < packed["real_tokens"] // 2 and padded["prompt_tokens_shared"] == 0

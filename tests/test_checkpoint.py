@@ -62,7 +62,7 @@ def test_resume_continues_exactly_one_rank(tmp_path):
     proc = run(rank_module("ds_packdpo.train", *flags(tmp_path, "straight", *constant)))
     first = proc.stdout.splitlines()[0]
     assert first.startswith("plan: 48 pairs in 6 steps (48 training pairs), 2 rows per rank on 1 rank (") and \
-        "attention sdpa_varlen fp32 with prefix sharing, lock-step" in first and \
+        "attention sdpa_varlen fp32 with prefix sharing and prompt groups, lock-step" in first and \
         first.endswith("no evaluation; schedule: constant lr 0.001 over 6 steps, no warm-up"), proc.stdout[:2000]
     split = tmp_path / "split"
     run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", *constant, "--save-steps", "3", "--max-steps", "3")))

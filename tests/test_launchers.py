@@ -25,6 +25,7 @@ from launching import REPO, SMALL_RUN, cpu_env, free_port, launch_script, read_m
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.run.engines import fill_ds_config, load_ds_config, reference_ds_config
+from ds_packdpo.run.launch_group import LaunchOutcome
 from ds_packdpo.run.schedule import run_schedule
 
 LN2 = math.log(2.0)
@@ -143,7 +144,7 @@ def test_scripts_refuse_incomplete_settings(fake_tools, tmp_path, script, args, 
 def test_train_outside_a_launcher_picks_a_free_port(monkeypatch):
     """`ds-packdpo train` starts the deepspeed launcher itself: on a free port unless told one."""
     commands = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, env: commands.append(cmd) or 0)
+    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s: commands.append(cmd) or LaunchOutcome(0))
     for key in cli.LAUNCHED_ENV:
         monkeypatch.delenv(key, raising=False)
     assert cli.main(["train", "--max-steps", "1"]) == 0
