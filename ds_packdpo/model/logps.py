@@ -401,9 +401,11 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str =
     if impl != "plain" and head is None:
         warnings.warn(f"{impl} log-probs: this model post-processes its logits or has no linear lm_head; "
                       "computing full logits instead", stacklevel=2)
-    if impl == FUSED and head is not None and (split_head(head)[1] is not None or head.bias is not None):
-        warnings.warn("fused log-probs: the lm_head has a bias or an adapter, which the fused kernel does not hold; "
-                      "computing lean log-probs instead", stacklevel=2)
+    if impl == FUSED and head is not None and (split_head(head)[1] is not None or head.bias is not None
+                                               or final_logit_softcap(model) is not None):
+        # phase one refuses a written fused for an adapter or a cap; here the values never go wrong whoever calls
+        warnings.warn("fused log-probs: the lm_head has a bias, an adapter or a final soft-cap, which the fused "
+                      "kernel does not hold; computing lean log-probs instead", stacklevel=2)
         impl = "lean"
     rows, targets, seq = scored_tokens(batch)
     if head is None:
