@@ -146,6 +146,12 @@ class TrainConfig:
     label_smoothing: float = _opt("Conservative-DPO label smoothing.", 0.0)
     simpo_gamma: float = _opt("SimPO target margin.", 0.5)
     rpo_alpha: float = _opt("Weight of the NLL-per-chosen-token (RPO/SFT) term; 0 disables.", 0.0)
+    ld_alpha: float | None = _opt("LD-DPO (TRL's ld_alpha, in [0, 1]): a completion's tokens past the shorter "
+                                  "completion of its pair count with this weight in the policy's and the reference's "
+                                  "log-probs; default off.")
+    use_weighting: bool = _opt("WPO (TRL's use_weighting): each pair's loss times w(chosen) w(rejected), "
+                               "w = exp(mean over the completion of log p_t - log sum_v p_v^2) of the policy, "
+                               "without gradient.", False)
     logps_chunk_tokens: str = _opt("Completion tokens per chunk of the log-prob computation (with lean log-probs: "
                                    "the most tokens whose logits exist at once): a number, or 'auto', the largest "
                                    "chunk whose fp32 logits and gradient stay under half the stage's floor (the "
@@ -280,7 +286,8 @@ class TrainConfig:
         loss = LossConfig(loss_type=self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
                           simpo_gamma=self.simpo_gamma, rpo_alpha=self.rpo_alpha, loss_weights=weights,
                           f_divergence_type=self.f_divergence_type,
-                          f_alpha_divergence_coef=self.f_alpha_divergence_coef, discopop_tau=self.discopop_tau)
+                          f_alpha_divergence_coef=self.f_alpha_divergence_coef, discopop_tau=self.discopop_tau,
+                          ld_alpha=self.ld_alpha, use_weighting=self.use_weighting)
         loss.validate()
         return loss
 

@@ -100,6 +100,9 @@ class ModelBatch:
     # number of sequences (responses) the row computes.
     pair_sequences: torch.Tensor | None = None  # [P, 2] long
     sequences: int = 0
+    # Every row: (position id of the first completion token, completion length) of each sequence (response), for
+    # per-token weights that depend on a token's place in its completion (model/token_weights.py).
+    completion_spans: torch.Tensor | None = None  # [num_sequences, 2] long
 
     def to(self, device) -> "ModelBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -132,6 +135,7 @@ class _Flat:
     positions: torch.Tensor  # [T] position within its sequence
     labels: torch.Tensor  # [T]
     seq_index: torch.Tensor  # [T]
+    completion_spans: torch.Tensor  # [2P, 2]: (prompt length, completion length)
 
 
 def _check_prompt(prompt: np.ndarray, index) -> None:
@@ -162,7 +166,8 @@ def _flatten(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequenc
     scored = (next_position < lengths[seq_index]) & (next_position >= torch.tensor(prompt_lengths)[seq_index])
     next_ids = torch.roll(ids, -1)
     labels = torch.where(scored, next_ids, torch.full_like(ids, IGNORE_INDEX))
-    return _Flat(ids, lengths, positions, labels, seq_index)
+    prompts = torch.tensor(prompt_lengths, dtype=torch.long)
+    return _Flat(ids, lengths, positions, labels, seq_index, torch.stack([prompts, lengths - prompts], 1))
 
 
 def _dummy(pad_token_id: int, packed: bool) -> ModelBatch:
@@ -180,6 +185,7 @@ def _dummy(pad_token_id: int, packed: bool) -> ModelBatch:
         pair_indices=torch.zeros(0, dtype=torch.long),
         real_tokens=0,
         computed_tokens=1,
+        completion_spans=torch.zeros(0, 2, dtype=torch.long),
     )
 
 
@@ -203,6 +209,7 @@ def collate_packed(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
         pair_indices=torch.as_tensor(pair_indices, dtype=torch.long),
         real_tokens=flat.ids.numel(),
         computed_tokens=flat.ids.numel(),
+        completion_spans=flat.completion_spans,
     )
 
 
@@ -275,6 +282,8 @@ def collate_groups(groups: Sequence[PromptGroup], pad_token_id: int,
         prompt_tokens_shared=real - flat.numel(),
         pair_sequences=None if canonical else pairs,
         sequences=0 if canonical else first,
+        completion_spans=torch.tensor([(block[0], size) for block in blocks for size in block[1:]],
+                                      dtype=torch.long).reshape(-1, 2),
     )
 
 
@@ -325,6 +334,7 @@ def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
         pair_indices=torch.as_tensor(pair_indices, dtype=torch.long),
         real_tokens=flat.ids.numel(),
         computed_tokens=rows * width,
+        completion_spans=flat.completion_spans,
     )
 
 

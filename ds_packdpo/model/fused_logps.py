@@ -57,10 +57,15 @@ def resolve_logps_impl(requested: str, device_type: str, final_logit_softcap: fl
     return FUSED
 
 
-def fused_token_logps(selected: torch.Tensor, targets: torch.Tensor,
-                      weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each target in fp64, each position's vocabulary-mean logit) from the hidden states
-    ``selected`` ``[N, H]`` and the head's ``weight`` ``[V, H]``, with no ``[N, V]`` tensor.
+def fused_token_logps(selected: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                      squares: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log-prob of each target in fp64, each position's vocabulary-mean logit, WPO's ``log sum_v p_v^2`` in
+    fp64 with ``squares`` else None) from the hidden states ``selected`` ``[N, H]`` and the head's ``weight``
+    ``[V, H]``, with no ``[N, V]`` tensor.
+
+    WPO's term from the kernel's own output: the cross-entropy of the doubled hidden states is that of the doubled
+    logits (doubling is exact in floating point), ``CE(2h) = logsumexp(2z) - 2 z_t``, so
+    ``log sum_v p_v^2 = logsumexp(2z) - 2 logsumexp(z) = CE(2h) - 2 CE(h)``: one more forward-only call.
 
     The mean logit (TRL's ``logits/chosen`` metric) of a linear head is linear in the hidden state:
     ``mean_v(h . W_v) = h . mean_v(W_v)``, one matrix-vector product.  The mean over the vocabulary is taken in
@@ -68,6 +73,10 @@ def fused_token_logps(selected: torch.Tensor, targets: torch.Tensor,
     every forward (2 GiB at V = 128k, H = 4096), more than the logits this path exists not to hold.
     """
     token_logps = -linear_cross_entropy(selected, weight, targets, reduction="none", filter_eps=None)
+    log_sum_sq = None
     with torch.no_grad():
         mean_logit = selected.float() @ weight.mean(dim=0, dtype=torch.float32)
-    return token_logps.double(), mean_logit
+        if squares:
+            doubled = linear_cross_entropy(selected * 2, weight, targets, reduction="none", filter_eps=None)
+            log_sum_sq = doubled.double() + 2 * token_logps.detach().double()
+    return token_logps.double(), mean_logit, log_sum_sq

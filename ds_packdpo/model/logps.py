@@ -26,6 +26,7 @@ state, two targets, still no ``[T, V]`` logits.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 import warnings
@@ -36,13 +37,14 @@ import torch
 from .attention import model_forward_kwargs
 from .fused_logps import FUSED, fused_token_logps
 from .lora import hf_model, split_head
+from .token_weights import TokenWeighting, length_desensitized_sums
 
 if TYPE_CHECKING:
     from .collate import ModelBatch
 
 __all__ = ["SequenceLogps", "sequence_logps", "model_forward_kwargs", "forward_logps", "completion_token_logps",
            "lean_token_logps", "lean_lm_head", "final_logit_softcap", "scored_tokens", "auto_chunk_tokens",
-           "LOGPS_IMPLS", "AUTO_CHUNK", "pair_ordered"]
+           "LOGPS_IMPLS", "AUTO_CHUNK", "pair_ordered", "TokenWeighting"]
 
 
 @dataclass
@@ -52,9 +54,22 @@ class SequenceLogps:
     All fp64 (see the module docstring): a few numbers per sequence, so the loss's four-way difference is exact
     at any length."""
 
-    logps: torch.Tensor       # [S] float64, sum of completion-token log-probs (differentiable)
+    logps: torch.Tensor       # [S] float64, sum of completion-token log-probs (differentiable); LD-weighted with
+                              # --ld-alpha (model/token_weights.py)
     tokens: torch.Tensor      # [S] float64, completion token counts
     logits_sum: torch.Tensor  # [S] float64, sum over completion tokens of logits.mean(-1) (detached)
+    plain_logps: torch.Tensor | None = None  # [S] float64, the unweighted sum when ``logps`` is LD-weighted
+    wpo_sum: torch.Tensor | None = None  # [S] float64, sum of log p_t - log sum_v p_v^2 (WPO; detached)
+
+    @property
+    def unweighted_logps(self) -> torch.Tensor:
+        """The plain sum of the completion's token log-probs (what sft and the RPO term use), LD weighting or not."""
+        return self.logps if self.plain_logps is None else self.plain_logps
+
+    def mapped(self, fn) -> SequenceLogps:
+        """Every per-sequence field (those present) through ``fn``."""
+        return SequenceLogps(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                                for f in dataclasses.fields(self)})
 
     @property
     def chosen_logps(self) -> torch.Tensor:
@@ -81,20 +96,33 @@ class SequenceLogps:
         return self.logits_sum[1::2]
 
 
-def _target_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp64 log-prob of each target, fp32 logsumexp for the backward, fp32 vocab-mean logit) of fp32 logits
-    ``[C, V]``, which it overwrites (the exp is taken in place: one ``[C, V]`` buffer per chunk, not two).
+def _target_logps(logits: torch.Tensor, targets: torch.Tensor, squares: bool = False):
+    """(fp64 log-prob of each target, fp32 logsumexp for the backward, fp32 vocab-mean logit, fp64
+    ``log sum_v p_v^2`` with ``squares`` else None) of fp32 logits ``[C, V]``, which it overwrites (the exp is
+    taken in place: one ``[C, V]`` buffer per chunk, not two).
 
     The row max and the target logit are exact in fp64; the sum of ``exp(logit - max)`` stays fp32 (it lies in
     [1, V], relative error ~1e-8) and its log is taken in fp64.  Rounding the ~10-nat result to fp32 per token
     instead cost 6e-6 nats per 512-token sum and 4e-5 per 16k-token one (random fp32 logits, V=1024, against an
     fp64 log_softmax); this costs 1.3e-6 and 1.5e-6 there, and no ``[C, V]`` tensor is ever fp64.
+    WPO's ``log sum_v p_v^2 = log sum e^2 - 2 log sum e`` with ``e = exp(logit - max)`` (the max cancels): one
+    more reduction of the same buffer (a norm: no second ``[C, V]`` tensor).
     """
     target = logits.gather(1, targets[:, None]).squeeze(1).double()
     mean_logit = logits.mean(dim=-1)
     peak = logits.max(dim=-1, keepdim=True).values
-    logsumexp = peak.squeeze(1).double() + logits.sub_(peak).exp_().sum(dim=-1).double().log_()
-    return target - logsumexp, logsumexp.float(), mean_logit
+    shifted = logits.sub_(peak).exp_()
+    log_total = shifted.sum(dim=-1).double().log_()
+    logsumexp = peak.squeeze(1).double() + log_total
+    log_sum_sq = None
+    if squares:
+        log_sum_sq = torch.linalg.vector_norm(shifted, dim=-1).double().log_().mul_(2) - 2 * log_total
+    return target - logsumexp, logsumexp.float(), mean_logit, log_sum_sq
+
+
+def _squares_buffer(like: torch.Tensor, count: int, squares: bool) -> torch.Tensor | None:
+    """The fp64 per-token ``log sum_v p_v^2`` of a kernel asked for WPO's statistic, else None."""
+    return like.new_empty(count, dtype=torch.float64) if squares else None
 
 
 class _LabelLogProb(torch.autograd.Function):
@@ -106,22 +134,25 @@ class _LabelLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits_2d, rows, targets, chunk_tokens):
+    def forward(ctx, logits_2d, rows, targets, chunk_tokens, squares=False):
         count = rows.numel()
         token_logps = logits_2d.new_empty(count, dtype=torch.float64)
         logsumexp = logits_2d.new_empty(count, dtype=torch.float32)
         mean_logit = logits_2d.new_empty(count, dtype=torch.float32)
+        log_sum_sq = _squares_buffer(logits_2d, count, squares)
         for start in range(0, count, chunk_tokens):
             span = slice(start, start + chunk_tokens)
             chunk = logits_2d.index_select(0, rows[span]).float()
-            token_logps[span], logsumexp[span], mean_logit[span] = _target_logps(chunk, targets[span])
+            token_logps[span], logsumexp[span], mean_logit[span], sq = _target_logps(chunk, targets[span], squares)
+            if squares:
+                log_sum_sq[span] = sq
         ctx.save_for_backward(logits_2d, rows, targets, logsumexp)
         ctx.chunk_tokens = chunk_tokens
-        ctx.mark_non_differentiable(mean_logit)
-        return token_logps, mean_logit
+        ctx.mark_non_differentiable(*(t for t in (mean_logit, log_sum_sq) if t is not None))
+        return token_logps, mean_logit, log_sum_sq
 
     @staticmethod
-    def backward(ctx, grad_token_logps, _grad_mean_logit):
+    def backward(ctx, grad_token_logps, _grad_mean_logit, _grad_log_sum_sq):
         logits_2d, rows, targets, logsumexp = ctx.saved_tensors
         grad = torch.zeros_like(logits_2d)
         grad_token_logps = grad_token_logps.float()
@@ -131,7 +162,7 @@ class _LabelLogProb(torch.autograd.Function):
             chunk_grad = logits_2d.index_select(0, rows[span]).float().sub_(logsumexp[span, None]).exp_().mul_(-g)
             chunk_grad.scatter_add_(1, targets[span, None], g)
             grad.index_add_(0, rows[span], chunk_grad.to(grad.dtype))  # a prompt's last row is scored twice when shared
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def completion_token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 4096):
@@ -142,29 +173,33 @@ def completion_token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tok
     """
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
-    token_logps, mean_logit = _plain_logps_at(logits, rows, flat_labels[rows], chunk_tokens)
+    token_logps, mean_logit, _ = _plain_logps_at(logits, rows, flat_labels[rows], chunk_tokens)
     return rows, token_logps, mean_logit
 
 
-def _plain_logps_at(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
-    """Log-probs of ``targets`` at the flat positions ``rows`` of ``logits`` [..., V] (a row may repeat)."""
+def _plain_logps_at(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                    squares: bool = False):
+    """(log-probs, mean logits, ``log sum_v p_v^2`` or None) of ``targets`` at the flat positions ``rows`` of
+    ``logits`` [..., V] (a row may repeat)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _LabelLogProb.apply(logits.reshape(-1, logits.shape[-1]), rows, targets, chunk_tokens)
+    return _LabelLogProb.apply(logits.reshape(-1, logits.shape[-1]), rows, targets, chunk_tokens, squares)
 
 
-def _per_sequence(seq, token_logps, mean_logit, num_sequences: int) -> SequenceLogps:
+def _per_sequence(seq, token_logps, mean_logit, num_sequences: int, log_sum_sq=None) -> SequenceLogps:
     """Sums per canonical sequence (``seq``: the sequence of each scored token), accumulated and returned in fp64:
     ``index_add`` adds token by token, and in fp32 a 4,000-nat sum drifted by up to 1.5e-3 nats that way (the
     layouts add a sequence's tokens in different orders); rounding the fp64 sum to fp32 afterwards still cost
-    2.6e-4 nats at 512 tokens.  The gradient flows back to the fp32 token log-probs through the cast."""
+    2.6e-4 nats at 512 tokens.  The gradient flows back to the fp32 token log-probs through the cast.  With
+    ``log_sum_sq`` (WPO) also the detached sums of ``log p_t - log sum_v p_v^2``."""
     zeros = torch.zeros(num_sequences, dtype=torch.float64, device=token_logps.device)
 
     def summed(values: torch.Tensor) -> torch.Tensor:
         return zeros.index_add(0, seq, values.double())
 
+    wpo_sum = None if log_sum_sq is None else summed(token_logps.detach().double() - log_sum_sq)
     return SequenceLogps(logps=summed(token_logps), tokens=summed(torch.ones_like(token_logps)),
-                         logits_sum=summed(mean_logit))
+                         logits_sum=summed(mean_logit), wpo_sum=wpo_sum)
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.Tensor, num_sequences: int,
@@ -252,21 +287,25 @@ class _LeanLabelLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, weight, bias, low_in, low_weight, head, low_head, spans, softcap):
+    def forward(ctx, hidden, targets, weight, bias, low_in, low_weight, head, low_head, spans, softcap,
+                squares=False):
         count = hidden.shape[0]
         token_logps = hidden.new_empty(count, dtype=torch.float64)
         logsumexp = hidden.new_empty(count, dtype=torch.float32)
         mean_logit = hidden.new_empty(count, dtype=torch.float32)
+        log_sum_sq = _squares_buffer(hidden, count, squares)
         for span in spans:
             logits, _ = _capped(_chunk_logits(hidden[span], weight, bias, low_in, low_weight, span), softcap)
-            token_logps[span], logsumexp[span], mean_logit[span] = _target_logps(logits, targets[span])
+            token_logps[span], logsumexp[span], mean_logit[span], sq = _target_logps(logits, targets[span], squares)
+            if squares:
+                log_sum_sq[span] = sq
         ctx.save_for_backward(hidden, targets, logsumexp, low_in)
         ctx.head, ctx.low_head, ctx.spans, ctx.softcap = head, low_head, spans, softcap
-        ctx.mark_non_differentiable(mean_logit)
-        return token_logps, mean_logit
+        ctx.mark_non_differentiable(*(t for t in (mean_logit, log_sum_sq) if t is not None))
+        return token_logps, mean_logit, log_sum_sq
 
     @staticmethod
-    def backward(ctx, grad_token_logps, _grad_mean_logit):
+    def backward(ctx, grad_token_logps, _grad_mean_logit, _grad_log_sum_sq):
         hidden, targets, logsumexp, low_in = ctx.saved_tensors
         want_hidden, _, want_weight, want_bias, want_low_in, want_low_weight = ctx.needs_input_grad[:6]
         grad_token_logps = grad_token_logps.float()
@@ -296,7 +335,7 @@ class _LeanLabelLogProb(torch.autograd.Function):
                 grad_low_in[span] = grad_logits @ low_weight
             if want_low_weight:
                 grad_low_weight.addmm_(grad_logits.T, low_in[span])
-        return grad_hidden, None, grad_weight, grad_bias, grad_low_in, grad_low_weight, None, None, None, None
+        return grad_hidden, None, grad_weight, grad_bias, grad_low_in, grad_low_weight, None, None, None, None, None
 
 
 def _chunk_logits(chunk, weight, bias, low_in, low_weight, span) -> torch.Tensor:
@@ -314,14 +353,15 @@ def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.
     its output soft-capped at ``softcap`` first, as Gemma's forward does."""
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
-    token_logps, mean_logit = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens, softcap)
+    token_logps, mean_logit, _ = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens, softcap)
     return rows, token_logps, mean_logit
 
 
 def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
-                   chunk_tokens: int, softcap: float | None = None):
-    """Log-probs of ``targets`` from the hidden states at the flat positions ``rows`` (a row may repeat: its
-    gradient is summed by ``index_select``'s backward), the logits soft-capped at ``softcap``."""
+                   chunk_tokens: int, softcap: float | None = None, squares: bool = False):
+    """(log-probs, mean logits, ``log sum_v p_v^2`` or None) of ``targets`` from the hidden states at the flat
+    positions ``rows`` (a row may repeat: its gradient is summed by ``index_select``'s backward), the logits
+    soft-capped at ``softcap``."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
@@ -330,14 +370,15 @@ def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tens
     if adapter is None:
         return _as_head_call(
             base, lambda x, y: _LeanLabelLogProb.apply(x, y, base.weight, base.bias, None, None, base, None, spans,
-                                                       softcap),
+                                                       softcap, squares),
             selected, targets)
     low_in = adapter.down(adapter.dropout(selected)) * adapter.scaling
     up = adapter.up
 
     def with_adapter(x, y, z):  # inside the base head's call: the adapter's up-projection is whole too
         return _as_head_call(up, lambda x2, y2, z2: _LeanLabelLogProb.apply(x2, y2, base.weight, base.bias, z2,
-                                                                             up.weight, base, up, spans, softcap),
+                                                                             up.weight, base, up, spans, softcap,
+                                                                             squares),
                              x, y, z)
 
     return _as_head_call(base, with_adapter, selected, targets, low_in)
@@ -386,14 +427,16 @@ def _chunk_for(chunk_tokens: int | str, model, batch: ModelBatch) -> int:
 
 
 def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK,
-                  impl: str = "lean") -> SequenceLogps:
+                  impl: str = "lean", weighting: TokenWeighting | None = None) -> SequenceLogps:
     """One forward of ``model`` (an nn.Module or a DeepSpeed engine) on ``batch``, reduced per sequence.
 
     ``impl="lean"`` never holds the ``[T, V]`` logits, ``"fused"`` (:mod:`.fused_logps`, CUDA) not even a chunk
     of them; a model whose logits are not just its (soft-capped) lm_head's output falls back to ``plain`` with a
     warning.
     ``chunk_tokens``: completion tokens per chunk, or ``"auto"`` (:func:`auto_chunk_tokens`).
+    ``weighting``: LD-DPO's weighted sums and WPO's statistic besides (:mod:`.token_weights`).
     """
+    weighting = weighting or TokenWeighting()
     if impl not in LOGPS_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(LOGPS_IMPLS)}, got {impl!r}")
     chunk_tokens = _chunk_for(chunk_tokens, model, batch)
@@ -408,19 +451,24 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str =
                       "kernel does not hold; computing lean log-probs instead", stacklevel=2)
         impl = "lean"
     rows, targets, seq = scored_tokens(batch)
+    squares = weighting.wpo
     if head is None:
         logits = model(**model_forward_kwargs(batch, attn)).logits
-        token_logps, mean_logit = _plain_logps_at(logits, rows, targets, chunk_tokens)
+        token_logps, mean_logit, log_sum_sq = _plain_logps_at(logits, rows, targets, chunk_tokens, squares)
     elif impl == FUSED:
         hidden = _final_hidden_states(model, batch, attn)
         selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
         # one call of the head module: under ZeRO-3 its weight is gathered once for the row, as the lean path's
-        token_logps, mean_logit = _as_head_call(head, lambda x, y: fused_token_logps(x, y, head.weight),
-                                                selected, targets)
+        token_logps, mean_logit, log_sum_sq = _as_head_call(
+            head, lambda x, y: fused_token_logps(x, y, head.weight, squares), selected, targets)
     else:
-        token_logps, mean_logit = _lean_logps_at(_final_hidden_states(model, batch, attn), rows, targets, head,
-                                                 chunk_tokens, final_logit_softcap(model))
-    return pair_ordered(_per_sequence(seq, token_logps, mean_logit, batch.num_sequences), batch)
+        token_logps, mean_logit, log_sum_sq = _lean_logps_at(_final_hidden_states(model, batch, attn), rows, targets,
+                                                             head, chunk_tokens, final_logit_softcap(model), squares)
+    sums = pair_ordered(_per_sequence(seq, token_logps, mean_logit, batch.num_sequences, log_sum_sq), batch)
+    if weighting.ld_alpha is None:
+        return sums
+    return dataclasses.replace(sums, plain_logps=sums.logps, logps=length_desensitized_sums(
+        batch, rows, seq, token_logps, weighting.ld_alpha))
 
 
 def pair_ordered(per_sequence: SequenceLogps, batch: ModelBatch) -> SequenceLogps:
@@ -429,5 +477,4 @@ def pair_ordered(per_sequence: SequenceLogps, batch: ModelBatch) -> SequenceLogp
     if batch.pair_sequences is None:
         return per_sequence
     order = batch.pair_sequences.reshape(-1)
-    return SequenceLogps(*(values.index_select(0, order) for values in
-                           (per_sequence.logps, per_sequence.tokens, per_sequence.logits_sum)))
+    return per_sequence.mapped(lambda values: values.index_select(0, order))

@@ -127,7 +127,7 @@ def one_loss(name: str, policy: SequenceLogps, reference: SequenceLogps, cfg: Fa
         m = torch.sigmoid(z / cfg.discopop_tau)
         return -F.logsigmoid(z) * (1 - m) + torch.exp(-z) * m
     if name == "sft":  # -sum(chosen token log-probs) / sum(n_w), as a per-pair share of the batch's token mean
-        return -pc * (pc.numel() / policy.chosen_tokens.sum().clamp_min(1))
+        return -policy.unweighted_logps[0::2] * (pc.numel() / policy.chosen_tokens.sum().clamp_min(1))  # no LD
     if name == "sigmoid_norm":  # -log sig(b (s(c)/n_w - s(r)/n_l))
         return -F.logsigmoid(b * (sc / nw - sr / nl))
     raise ValueError(f"unknown loss {name!r}")

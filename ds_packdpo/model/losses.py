@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..errors import InputError
 from .logps import SequenceLogps
 from .loss_family import FamilyConfig, family_pair_losses
+from .token_weights import TokenWeighting, check_token_weighting, wpo_pair_weights
 
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")
 LENGTH_NORMALIZED = ("ipo", "simpo")
@@ -40,21 +41,29 @@ class LossConfig:
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 1.0
     discopop_tau: float = 0.05
+    ld_alpha: float | None = None  # LD-DPO (model/token_weights.py): applied in the forwards, policy and reference
+    use_weighting: bool = False  # WPO: each pair's loss times the policy's w(y_w) w(y_l)
+
+    def token_weighting(self, policy: bool) -> TokenWeighting:
+        """What the policy's (``policy``) or the reference's forward computes besides the plain sums."""
+        return TokenWeighting(self.ld_alpha, self.use_weighting and policy)
 
     @property
     def family(self) -> FamilyConfig | None:
         """The TRL 1.16 family settings (model.loss_family) when the loss needs them, else None.
 
         A single loss of :data:`LOSS_TYPES` with TRL's defaults keeps this module's path (it also
-        takes label smoothing for sigmoid, as older TRL did)."""
+        takes label smoothing for sigmoid, as older TRL did); --ld-alpha and --use-weighting, TRL 1.16
+        settings, take TRL's."""
         names = tuple(self.loss_type.split(","))
         if (len(names) == 1 and names[0] in LOSS_TYPES and self.loss_weights is None
-                and self.f_divergence_type == "reverse_kl"):
+                and self.f_divergence_type == "reverse_kl" and self.ld_alpha is None and not self.use_weighting):
             return None
         return FamilyConfig(names, self.loss_weights, self.beta, self.label_smoothing, self.f_divergence_type,
                             self.f_alpha_divergence_coef, self.discopop_tau)
 
     def validate(self) -> None:
+        check_token_weighting(self.ld_alpha, self.use_weighting, tuple(self.loss_type.split(",")))
         family = self.family
         if family is not None:
             if "simpo" in family.loss_types:
@@ -141,13 +150,17 @@ def pair_losses(policy: SequenceLogps, reference: SequenceLogps | None,
 
 def _with_logits_and_rpo(losses: torch.Tensor, metrics: dict[str, torch.Tensor], policy: SequenceLogps,
                          cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Adds TRL's ``logits/*`` metrics and, with --rpo-alpha, the RPO NLL term and its ``nll_loss`` metric."""
+    """Adds TRL's ``logits/*`` metrics and, with --rpo-alpha, the RPO NLL term (of the unweighted log-probs) and its
+    ``nll_loss`` metric; with --use-weighting the pair's loss times its WPO weight (after the RPO term, as TRL
+    ordered them while it had both)."""
     metrics["logits/chosen"] = policy.chosen_logits_sum / policy.chosen_tokens
     metrics["logits/rejected"] = policy.rejected_logits_sum / policy.rejected_tokens
     if cfg.rpo_alpha > 0:
-        nll = -policy.chosen_logps / policy.chosen_tokens  # NLL per chosen token, per pair
+        nll = -policy.unweighted_logps[0::2] / policy.chosen_tokens  # NLL per chosen token, per pair
         losses = losses + cfg.rpo_alpha * nll
         metrics["nll_loss"] = nll.detach()
+    if cfg.use_weighting:
+        losses = losses * wpo_pair_weights(policy)
     return losses, metrics
 
 

@@ -38,7 +38,7 @@ from ..model.collate import ModelBatch, collate_row
 from ..model.fused_logps import resolve_logps_impl
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
-from ..model.logps import AUTO_CHUNK, SequenceLogps, forward_logps
+from ..model.logps import AUTO_CHUNK, SequenceLogps, TokenWeighting, forward_logps
 from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
 from ..model.losses import LossConfig
 from ..model.prefix_attention import PREFIX_FLASH
@@ -291,15 +291,19 @@ class Run:
     def reference_is_precomputed(self) -> bool:
         return isinstance(self.reference, PrecomputedReference)
 
-    def _forward(self, model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK, impl: str = "lean"):
+    def _forward(self, model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK, impl: str = "lean",
+                 weighting: TokenWeighting | None = None):
         """One forward's per-sequence log-probs; under sequence parallelism each rank runs its slice."""
         if self.sequence_parallel is not None:
-            return self.sequence_parallel.forward_logps(model, batch, attn, chunk_tokens, impl)
-        return forward_logps(model, batch, attn, chunk_tokens, impl)
+            return self.sequence_parallel.forward_logps(model, batch, attn, chunk_tokens, impl, weighting)
+        return forward_logps(model, batch, attn, chunk_tokens, impl, weighting)
 
-    def forward_logps(self, model, batch: ModelBatch) -> SequenceLogps:
+    def forward_logps(self, model, batch: ModelBatch, policy: bool = True) -> SequenceLogps:
+        """The per-sequence log-probs the loss takes (LD-weighted with --ld-alpha; the policy's with WPO's
+        statistic under --use-weighting)."""
         cfg = self.setup.cfg
-        return self._forward(model, batch, self.setup.model_attn, cfg.logps_chunk, cfg.logps_impl)
+        return self._forward(model, batch, self.setup.model_attn, cfg.logps_chunk, cfg.logps_impl,
+                             self.setup.loss_cfg.token_weighting(policy))
 
     def reference_logps(self, batch: ModelBatch) -> SequenceLogps | None:
         """The reference log-probs of ``batch``: looked up, run without gradients (a reference model, or the LoRA
@@ -310,9 +314,9 @@ class Run:
             return self.reference.sequence_logps(batch)
         if isinstance(self.reference, AdaptersOff):
             with torch.no_grad(), as_reference(self.policy):
-                return self.forward_logps(self.policy, batch)
+                return self.forward_logps(self.policy, batch, policy=False)
         with torch.no_grad():
-            return self.forward_logps(self.reference, batch)
+            return self.forward_logps(self.reference, batch, policy=False)
 
     def row_batch(self, row) -> ModelBatch:
         """The model inputs of one planned row, packed (each prompt once with prefix sharing) or padded as the run is,

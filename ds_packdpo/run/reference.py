@@ -11,8 +11,8 @@ completion token counts (IPO normalizes per token), the sums in fp64 (a JSON num
 with every digit of the double, a Parquet ``double`` column), next to ``FILE.meta.json``
 holding the fingerprint of everything that decides those numbers: the reference
 model (a folder: its config and weight files; a hub id: its commit; a built config:
-the config and the seed), the tokenizer, the tokenized dataset (content, format, truncation) and the
-dtype.  A run whose fingerprint differs, or a pair missing from the file, is an
+the config and the seed), the tokenizer, the tokenized dataset (content, format, truncation), the
+dtype and LD-DPO's ``--ld-alpha`` (the stored sums are weighted with it).  A run whose fingerprint differs, or a pair missing from the file, is an
 :class:`InputError` before any process group starts.
 """
 
@@ -94,6 +94,7 @@ def reference_fingerprint(setup) -> dict:
         "dtype": cfg.dtype,
         "max_length": cfg.max_length,
         "max_prompt_length": cfg.max_prompt_length,
+        "ld_alpha": cfg.ld_alpha,  # LD-DPO weighs the stored sums (None, off, matches a file written without it)
     }
 
 

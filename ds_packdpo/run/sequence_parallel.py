@@ -40,7 +40,7 @@ from transformers import AttentionInterface, modeling_flash_attention_utils
 from ..errors import InputError
 from ..model.attention import PACKED_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, is_flash, refuse_unsupported_kwargs
 from ..model.collate import IGNORE_INDEX, ModelBatch, PrefixLayout
-from ..model.logps import AUTO_CHUNK, SequenceLogps, forward_logps
+from ..model.logps import AUTO_CHUNK, SequenceLogps, TokenWeighting, forward_logps
 from ..model.prefix_attention import flash_shared_prefix, shared_prefix_attention
 from ..model.torch_varlen import TORCH_VARLEN
 from .layout import ParallelLayout
@@ -257,10 +257,13 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 def all_reduce_sequence_logps(partial: SequenceLogps, group) -> SequenceLogps:
-    """Whole-sequence sums from each rank's partial sums: one collective of 3 x 2P floats."""
-    stacked = torch.stack([partial.logps, partial.tokens, partial.logits_sum])
-    total = _SumOverGroup.apply(stacked, group)
-    return SequenceLogps(logps=total[0], tokens=total[1].detach(), logits_sum=total[2].detach())
+    """Whole-sequence sums from each rank's partial sums: one collective of 3 x 2P floats (and the LD-weighted and
+    WPO sums when there are: 5 x 2P)."""
+    present = [f.name for f in dataclasses.fields(partial) if getattr(partial, f.name) is not None]
+    total = _SumOverGroup.apply(torch.stack([getattr(partial, name) for name in present]), group)
+    differentiable = ("logps", "plain_logps")
+    return SequenceLogps(**{name: total[i] if name in differentiable else total[i].detach()
+                            for i, name in enumerate(present)})
 
 
 @dataclasses.dataclass
@@ -273,10 +276,10 @@ class SequenceParallel:
     pad_token_id: int
 
     def forward_logps(self, model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK,
-                      impl: str = "lean") -> SequenceLogps:
+                      impl: str = "lean", weighting: TokenWeighting | None = None) -> SequenceLogps:
         """Per-sequence log-probs of the whole row, on every rank of the group, from this rank's slice."""
         local = slice_row(batch, self.size, self.rank, self.pad_token_id)
-        return all_reduce_sequence_logps(forward_logps(model, local, attn, chunk_tokens, impl), self.group)
+        return all_reduce_sequence_logps(forward_logps(model, local, attn, chunk_tokens, impl, weighting), self.group)
 
 
 def init_sequence_parallel(layout: ParallelLayout, attn: str, pad_token_id: int) -> tuple[SequenceParallel, object]:

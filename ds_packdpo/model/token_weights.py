@@ -1,0 +1,94 @@
+"""Per-token weighting of the sequence log-probs: LD-DPO's ``--ld-alpha`` and WPO's ``--use-weighting``, as in TRL 1.16.
+
+* **LD-DPO** (Liu et al. 2024, "Length Desensitization in DPO"): a pair's two completions share their first
+  ``L = min(n_w, n_l)`` tokens' worth of "length"; the rest, the longer one's excess, is discounted:
+  ``logp(y) = sum_{k < L} logp_k + alpha * sum_{k >= L} logp_k`` (k the token's place in its completion),
+  for the policy and the reference alike.  The weight of a token depends on its pair, not only on its sequence:
+  in a prompt-group row a response in several pairs counts with a different ``L`` in each, so the weighted sums
+  are taken per pair side (:func:`length_desensitized_sums`) from the per-token log-probs, in fp64, by one
+  ``index_add`` - in every layout (packed, prefix-shared, grouped, padded) and on a sequence-parallel slice
+  (the slices' sums add up).  The unweighted sums stay for ``sft`` and the RPO term, as TRL's ``sft`` uses the
+  plain per-token log-probs.
+* **WPO** (Zhou et al. 2024, "Weighted Preference Optimization", Eq. 2): each pair's loss is multiplied by
+  ``w(y_w) * w(y_l)`` with ``w(y) = exp(mean_k (logp_k - log sum_v p_v(k)^2))``, from the policy, without
+  gradient.  The per-token term needs the whole distribution; the log-prob kernels give ``log sum_v p_v^2``
+  per token beside the log-prob (``logsumexp(2z) - 2 logsumexp(z)``: one more reduction over each chunk's
+  logits, no ``[T, V]`` tensor), and their per-sequence fp64 sum is :attr:`SequenceLogps.wpo_sum`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+# TRL 1.16 refuses WPO with the losses that sort the batch (a pair's weight would meet another pair's loss); its
+# ``sft`` with WPO raises in TRL itself (an in-place product on an expanded scalar), so it is refused here too.
+_UNWEIGHTABLE = ("aot", "aot_unpaired", "sft")
+
+
+@dataclass(frozen=True)
+class TokenWeighting:
+    """What a forward computes beyond the plain per-sequence sums: LD-DPO's weighted sums (``ld_alpha``, None:
+    off) and WPO's statistic (``wpo``: the policy's forward only)."""
+
+    ld_alpha: float | None = None
+    wpo: bool = False
+
+
+def check_token_weighting(ld_alpha: float | None, use_weighting: bool, loss_types: tuple[str, ...]) -> None:
+    """One line for a setting TRL 1.16 refuses or cannot run."""
+    if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
+        raise InputError(f"--ld-alpha must be in [0, 1] (the weight of the tokens past the shorter completion's "
+                         f"length), got {ld_alpha}")
+    if "simpo" in loss_types and (ld_alpha is not None or use_weighting):
+        raise InputError("--loss simpo: --ld-alpha and --use-weighting are TRL DPOTrainer settings with no SimPO "
+                         "form; drop them or pick a DPO-family loss")
+    unweighted = [name for name in loss_types if name in _UNWEIGHTABLE]
+    if use_weighting and unweighted:
+        raise InputError(f"--use-weighting with --loss {unweighted[0]}: WPO weights each pair's loss, and "
+                         f"{unweighted[0]} is a statistic of the whole batch (TRL 1.16 refuses or fails on it too)")
+
+
+def length_desensitized_sums(batch, rows: torch.Tensor, seq: torch.Tensor, token_logps: torch.Tensor,
+                             alpha: float) -> torch.Tensor:
+    """[2P] fp64 LD-DPO log-probs in canonical order (2p chosen, 2p + 1 rejected of local pair p) from the scored
+    tokens of ``batch`` (a ``ModelBatch`` or a sequence-parallel slice of one): ``rows`` their flat positions,
+    ``seq`` their sequences (responses), ``token_logps`` their log-probs.
+
+    A token's place in its completion is its position id + 1 (it is the label of the position before it) minus
+    its sequence's first completion position; the fork of a prefix-shared row (the prompt's last position scoring
+    a later response's first token) is place 0 the same way.  Differentiable in ``token_logps``.
+    """
+    spans = batch.completion_spans.to(rows.device)
+    pairs = batch.num_pairs
+    members = batch.pair_sequences
+    if members is None:
+        members = torch.arange(2 * pairs, device=rows.device).reshape(pairs, 2)
+    shared = spans[members, 1].amin(dim=1) if pairs else spans.new_zeros(0)  # L of each pair
+    place = batch.position_ids.reshape(-1)[rows] + 1 - spans[seq, 0]
+    if batch.pair_sequences is None:  # each sequence is one pair side: its slot is itself
+        token, slot = torch.arange(seq.numel(), device=seq.device), seq
+    else:  # a response passes its tokens to every pair side it is: expand each token once per side
+        slot_response = members.reshape(-1)
+        order = torch.argsort(slot_response, stable=True)
+        sides = torch.bincount(slot_response, minlength=spans.shape[0])
+        first_side = sides.cumsum(0) - sides
+        per_token = sides[seq]
+        token = torch.repeat_interleave(torch.arange(seq.numel(), device=seq.device), per_token)
+        within = torch.arange(token.numel(), device=seq.device) - (per_token.cumsum(0) - per_token)[token]
+        slot = order[first_side[seq[token]] + within]
+    weight = torch.where(place[token] < shared[slot // 2], 1.0, alpha).to(torch.float64)
+    zeros = torch.zeros(2 * pairs, dtype=torch.float64, device=token_logps.device)
+    return zeros.index_add(0, slot, token_logps[token].double() * weight)
+
+
+def wpo_pair_weights(policy) -> torch.Tensor:
+    """[P] ``w(y_w) * w(y_l)``, WPO's Eq. 2 (``policy`` a ``SequenceLogps`` with ``wpo_sum``), no gradient; TRL
+    divides by the completion token count clamped at 1."""
+    if policy.wpo_sum is None:
+        raise ValueError("--use-weighting needs the policy's WPO statistic (forward with TokenWeighting(wpo=True))")
+    weights = torch.exp(policy.wpo_sum.detach() / policy.tokens.clamp_min(1))
+    return weights[0::2] * weights[1::2]
