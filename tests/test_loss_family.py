@@ -11,9 +11,14 @@ from trl.trainer.dpo_trainer import DPOTrainer
 
 from ds_packdpo.config import TrainConfig
 from ds_packdpo.errors import InputError
-from ds_packdpo.model.logps import SequenceLogps
+from ds_packdpo.model.attention import attn_implementation
+from ds_packdpo.model.build import build_model
+from ds_packdpo.model.collate import collate_grouped, collate_packed
+from ds_packdpo.model.logps import SequenceLogps, forward_logps
 from ds_packdpo.model.loss_family import TRL_LOSS_TYPES, FamilyConfig, family_pair_losses
-from ds_packdpo.model.losses import global_normalized_loss, pair_losses
+from ds_packdpo.model.losses import LossConfig, global_normalized_loss, pair_losses
+
+from test_token_weights import VOCAB, grouped_pairs
 
 PAIRS, LENGTH = 6, 10
 
@@ -129,3 +134,116 @@ def test_loss_flags_reach_the_loss_and_change_it():
         with pytest.raises(InputError) as info:
             TrainConfig(**flags).validate()
         assert str(info.value).startswith(flag) and "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- LD-DPO and WPO on a model
+def trl_padded(pairs) -> dict:
+    """TRL's batch of ``pairs``: [chosen rows; rejected rows], prompt + completion right-padded."""
+    rows = [(p["prompt_ids"], p[key]) for key in ("chosen_ids", "rejected_ids") for p in pairs]
+    width = max(len(prompt) + len(completion) for prompt, completion in rows)
+    batch = {name: torch.zeros(len(rows), width, dtype=torch.long)
+             for name in ("input_ids", "attention_mask", "completion_mask")}
+    for i, (prompt, completion) in enumerate(rows):
+        ids = prompt + completion
+        batch["input_ids"][i, :len(ids)] = torch.tensor(ids)
+        batch["attention_mask"][i, :len(ids)] = 1
+        batch["completion_mask"][i, len(prompt):len(ids)] = 1
+    return batch
+
+
+def full_logits_head(model):
+    """TRL's fused lm head (``log_probs``, ``log_sum_sq_probs``) computed the plain way, from the model's full
+    logits on the padded batch: an independent route to the per-token values."""
+
+    def call(input_ids, attention_mask, labels, use_cache, fused_lm_head):
+        model.config._attn_implementation = "sdpa"
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1)
+        targets = labels[:, 1:]
+        log_probs = logp.gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1) * (targets != -100)
+        zeros = torch.zeros_like(log_probs)
+        return SimpleNamespace(log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(),
+                               log_sum_sq_probs=torch.logsumexp(2 * logp, -1))
+
+    return call
+
+
+def trl_model_loss(cfg: LossConfig, policy, reference, pairs):
+    """TRL 1.16's ``_compute_loss`` with its reference run live (``compute_ref_log_probs``' LD branch too)."""
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
+    family = cfg.family or FamilyConfig((cfg.loss_type,), beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+    stand_in = torch.nn.Module()  # what TRL asks of its model here: training, no adapters, no checkpointing
+    stand_in.is_gradient_checkpointing = False
+    trainer = SimpleNamespace(
+        model=stand_in, ref_model=full_logits_head(reference),
+        accelerator=accelerator, aux_loss_enabled=False, ld_alpha=cfg.ld_alpha, precompute_ref_logps=False,
+        f_divergence_type=family.f_divergence_type, f_alpha_divergence_coef=family.f_alpha_divergence_coef,
+        loss_types=list(family.loss_types), loss_weights=list(family.weights), beta=cfg.beta,
+        label_smoothing=cfg.label_smoothing, use_weighting=cfg.use_weighting,
+        args=SimpleNamespace(discopop_tau=cfg.discopop_tau, gradient_checkpointing_kwargs=None),
+        _metrics=defaultdict(lambda: defaultdict(list)), _tp_size=1, _total_train_tokens=0)
+    return DPOTrainer._compute_loss(trainer, full_logits_head(policy), trl_padded(pairs), False)
+
+
+def ours_on_rows(cfg: LossConfig, policy, reference, batch):
+    """This trainer's loss of one packed or grouped row: the forwards with their token weighting, then the loss."""
+    for model in (policy, reference):
+        model.config._attn_implementation = attn_implementation("sdpa_varlen")
+    with torch.no_grad():
+        ref = forward_logps(reference, batch, "sdpa_varlen", 4, "lean", cfg.token_weighting(policy=False))
+    pol = forward_logps(policy, batch, "sdpa_varlen", 4, "lean", cfg.token_weighting(policy=True))
+    losses, _ = pair_losses(pol, ref, cfg)
+    return global_normalized_loss(losses, global_pairs=batch.num_pairs, gradient_divisor=1)
+
+
+WEIGHTED = [
+    LossConfig("sigmoid", ld_alpha=0.5),
+    LossConfig("sigmoid,ipo,sigmoid_norm,sft,bco_pair", beta=0.3, loss_weights=(1.0, 0.2, 0.5, 0.3, 0.4), ld_alpha=0.5),
+    LossConfig("sigmoid", use_weighting=True),
+    LossConfig("sigmoid,apo_zero,nca_pair,apo_down,discopop", beta=0.5, loss_weights=(1.0, 0.5, 0.25, 0.5, 0.3),
+               use_weighting=True),
+    LossConfig("ipo,robust", beta=0.2, label_smoothing=0.1, ld_alpha=0.0, use_weighting=True),
+]
+
+
+@pytest.mark.parametrize("cfg", WEIGHTED, ids=lambda c: f"{c.loss_type}-ld{c.ld_alpha}-wpo{int(c.use_weighting)}")
+def test_ld_alpha_and_use_weighting_match_trl_on_a_model(cfg):
+    """Same tiny model, same pairs (completions of different lengths, the longer one chosen in some and rejected
+    in others, one empty), a reference model of other weights: TRL's padded batch through full logits against
+    this trainer's packed and grouped rows through the lean chunks.  Step-1 loss and every parameter's gradient
+    agree to 2e-6 relative (fp32)."""
+    cfg.validate()
+    pairs = grouped_pairs()
+    index = list(range(len(pairs)))
+    policy = build_model(None, "tiny", VOCAB, torch.float32, "sdpa_varlen", seed=0)
+    reference = build_model(None, "tiny", VOCAB, torch.float32, "sdpa_varlen", seed=1)
+    expected = trl_model_loss(cfg, policy, reference, pairs)
+    expected.backward()
+    want = torch.cat([p.grad.reshape(-1) for p in policy.parameters()])
+    policy.zero_grad(set_to_none=True)
+    for collate in (collate_packed, collate_grouped):
+        loss = ours_on_rows(cfg, policy, reference, collate(pairs, index, 0))
+        loss.backward()
+        got = torch.cat([p.grad.reshape(-1) for p in policy.parameters()])
+        policy.zero_grad(set_to_none=True)
+        assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=2e-6), collate.__name__
+        assert float((got - want).norm()) <= 2e-6 * float(want.norm()), (collate.__name__, float((got - want).norm()))
+        MEASURED[f"{cfg.loss_type}-ld{cfg.ld_alpha}-wpo{cfg.use_weighting}-{collate.__name__}"] = max(
+            abs(float(loss) / float(expected) - 1), float((got - want).norm() / want.norm()))
+    plain = LossConfig(cfg.loss_type, beta=cfg.beta, label_smoothing=cfg.label_smoothing, loss_weights=cfg.loss_weights)
+    assert float(trl_model_loss(plain, policy, reference, pairs)) != pytest.approx(float(expected), rel=1e-4)
+
+
+def test_hinge_with_use_weighting_matches_trl_forward():
+    """TRL 1.16's backward fails on hinge with WPO (``per_sequence_loss *= weights`` writes into relu's saved output);
+    its forward is well defined, and this trainer's loss equals it (and trains)."""
+    cfg = LossConfig("hinge,sigmoid", beta=0.5, loss_weights=(1.0, 0.5), use_weighting=True)
+    pairs = grouped_pairs()
+    policy = build_model(None, "tiny", VOCAB, torch.float32, "sdpa_varlen", seed=0)
+    reference = build_model(None, "tiny", VOCAB, torch.float32, "sdpa_varlen", seed=1)
+    with torch.no_grad():
+        expected = trl_model_loss(cfg, policy, reference, pairs)
+    loss = ours_on_rows(cfg, policy, reference, collate_grouped(pairs, list(range(len(pairs))), 0))
+    assert float(loss) == pytest.approx(float(expected), rel=2e-6)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in policy.parameters())
