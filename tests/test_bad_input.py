@@ -389,3 +389,32 @@ def test_a_missing_relative_model_folder_is_said_at_once(tmp_path, out_dir, toke
     assert time.perf_counter() - began < 5
     code = cli.main(["prepare", "--tokenizer", "mytokeniser", "--synthetic-pairs", "4"])
     assert_one_line_error(code, capsys.readouterr().err, "--tokenizer mytokeniser: no such folder (relative to ")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--ld-alpha", "1.5"], "--ld-alpha must be in [0, 1] (the weight of the tokens past the shorter completion's"),
+    (["--ld-alpha", "-0.1"], "--ld-alpha must be in [0, 1]"),
+    (["--loss", "simpo", "--use-weighting"], "--loss simpo: --ld-alpha and --use-weighting are TRL DPOTrainer"),
+    (["--loss", "simpo", "--ld-alpha", "0.5"], "--loss simpo: --ld-alpha and --use-weighting are TRL DPOTrainer"),
+])
+def test_token_weighting_refusals(flags, expected, train_front):
+    """LD-DPO and WPO settings TRL refuses (or SimPO has no form of): one line before any launch."""
+    train_front(*flags, parts=(expected,))
+
+
+def test_precomputed_reference_of_another_ld_alpha_is_refused_before_launch(tmp_path, out_dir, tokenizer_dir,
+                                                                            train_front):
+    """The stored sums are LD-weighted: a file written with --ld-alpha 0.5 serves no run with another or none."""
+    from ds_packdpo.config import parse_train_args
+    from ds_packdpo.run.reference import meta_path, reference_fingerprint
+    from ds_packdpo.run.assemble import prepare
+
+    ref = _written(tmp_path / "ref.jsonl", "")
+    setup = prepare(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--ld-alpha", "0.5"]),
+                    world_size=2)
+    stored = reference_fingerprint(setup)
+    assert stored["ld_alpha"] == 0.5
+    meta_path(ref).write_text(json.dumps({"fingerprint": stored, "info": {}}))
+    for flags in (["--ld-alpha", "0.3"], []):
+        train_front("--ref-logps", str(ref), *flags,
+                    parts=(f"--ref-logps {ref}: computed for a different ld_alpha than this run",))
