@@ -113,8 +113,10 @@ def _model(kv_heads: int, attn: str, arch: str = "llama"):
 
 
 def _loss(logps):
-    """A nonlinear loss of whole-sequence log-probs (as DPO's), so a wrong reduction shows in the gradient."""
-    return torch.nn.functional.logsigmoid(0.1 * (logps.chosen_logps - logps.rejected_logps)).sum()
+    """A nonlinear loss of whole-sequence log-probs (as DPO's; LD-weighted, and the plain sums besides), so a wrong
+    reduction shows in the gradient."""
+    return (torch.nn.functional.logsigmoid(0.1 * (logps.chosen_logps - logps.rejected_logps)).sum()
+            + 0.01 * logps.unweighted_logps.sum())
 
 
 def _rank_main(rank: int, port: int, results):
@@ -122,7 +124,7 @@ def _rank_main(rank: int, port: int, results):
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     import deepspeed
 
-    from ds_packdpo.model.logps import forward_logps
+    from ds_packdpo.model.logps import TokenWeighting, forward_logps
     from ds_packdpo.run.process_group import release_shm_buffer
     from ds_packdpo.run.sequence_parallel import init_sequence_parallel
 
@@ -139,12 +141,13 @@ def _rank_main(rank: int, port: int, results):
     for name, kv_heads, arch, attn in ((2, 2, "llama", "sdpa"), (1, 1, "llama", "sdpa"),
                                        ("mistral", 2, "mistral", "eager"), ("gemma2", 2, "gemma2", "eager")):
         full, split = _model(kv_heads, attn, arch), _model(kv_heads, ULYSSES_ATTN, arch)
-        expected = forward_logps(full, row, attn)
+        weighting = TokenWeighting(ld_alpha=0.5, wpo=True)  # LD sums and WPO's statistic summed over the slices
+        expected = forward_logps(full, row, attn, weighting=weighting)
         _loss(expected).backward()
         full_grads = torch.cat([p.grad.reshape(-1) for p in full.parameters()])
         for prefix, batch in (("", row), ("shared_", shared_row)):
             split.zero_grad(set_to_none=True)
-            got = sp.forward_logps(split, batch, ULYSSES_ATTN)
+            got = sp.forward_logps(split, batch, ULYSSES_ATTN, weighting=weighting)
             _loss(got).backward()
             grads = torch.cat([p.grad.reshape(-1) for p in split.parameters()])
             torch.distributed.all_reduce(grads)  # DeepSpeed's reduction sums the ranks' partial gradients
@@ -153,6 +156,8 @@ def _rank_main(rank: int, port: int, results):
                 f"{prefix}logps_diff": float((got.logps - expected.logps).abs().max()),
                 f"{prefix}tokens_equal": bool(torch.equal(got.tokens, expected.tokens)),
                 f"{prefix}logits_diff": float((got.logits_sum - expected.logits_sum).abs().max()),
+                f"{prefix}plain_diff": float((got.plain_logps - expected.plain_logps).abs().max()),
+                f"{prefix}wpo_diff": float((got.wpo_sum - expected.wpo_sum).abs().max()),
                 f"{prefix}grad_rel": float((grads - full_grads).norm() / grads.norm()),
             })
     results[rank] = out
@@ -163,7 +168,8 @@ def test_ulysses_logps_and_gradients_equal_one_rank():
     """S=2 on 2 gloo ranks: whole-sequence log-probs equal the unsplit forward, and the summed gradients equal its
     gradient -- for the packed row and for the same pairs prefix-shared (the shared-prefix kernel after the
     all-to-all), both against the unsplit unshared row (Mistral and Gemma 2: with their sliding windows and soft-caps,
-    against eager)."""
+    against eager).  LD-DPO's weighted sums (a pair's shared length straddling the slices) and WPO's statistic
+    too."""
     from launching import free_port
 
     results = mp.Manager().dict()
@@ -174,6 +180,7 @@ def test_ulysses_logps_and_gradients_equal_one_rank():
             assert res["length"] % 2 == 1 and res["shared_length"] % 2 == 1, res  # both rows padded to S
             for name in ("", "shared_"):
                 assert res[f"{name}logps_diff"] < 1e-4 and res[f"{name}logits_diff"] < 1e-3, (rank, kv_heads, res)
+                assert res[f"{name}plain_diff"] < 1e-4 and res[f"{name}wpo_diff"] < 1e-4, (rank, kv_heads, res)
                 assert res[f"{name}tokens_equal"], (rank, kv_heads, res)
                 assert res[f"{name}grad_rel"] < 1e-5, (rank, kv_heads, res)
 

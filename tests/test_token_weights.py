@@ -6,11 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ds_packdpo.config import parse_train_args
+from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.model import fused_logps
 from ds_packdpo.model.attention import attn_implementation
 from ds_packdpo.model.build import build_model
 from ds_packdpo.model.collate import collate_grouped, collate_packed, collate_padded, collate_shared
 from ds_packdpo.model.logps import TokenWeighting, forward_logps
+from ds_packdpo.model.losses import pair_losses
+from ds_packdpo.run.assemble import Run, prepare
 
 from zero3_lean_check import full_logits_cross_entropy
 
@@ -111,3 +115,25 @@ def test_without_weighting_the_forward_computes_neither():
     assert torch.equal(plain.unweighted_logps, plain.logps)
     full = forward_logps(model, batch, "sdpa_varlen", weighting=TokenWeighting(1.0, False))
     torch.testing.assert_close(full.logps, plain.logps, rtol=0, atol=1e-12)  # alpha 1: every token weighs 1
+
+
+def test_the_flags_reach_the_run_forwards_and_the_loss(tmp_path):
+    """--ld-alpha weighs the policy's and the reference's sums alike (one model as both: equal), --use-weighting
+    computes WPO's statistic in the policy's forward only and changes the loss; neither flag: neither computed."""
+    flags = ["--output-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--synthetic-pairs", "16",
+             "--max-length", "64"]
+    results = {}
+    for name, extra in (("plain", []), ("ld", ["--ld-alpha", "0.25"]), ("wpo", ["--use-weighting"])):
+        setup = prepare(parse_train_args([*flags, *extra]), "train", world_size=1)
+        model = build_model(None, "tiny", setup.vocab_size, torch.float32, setup.model_attn, seed=0)
+        run = Run(setup, policy=model, reference=model, sequence_parallel=None)
+        batch = run.row_batch(next(iter(run_plan(setup.prepared, setup.plan_cfg, epochs=1))).ranks[0][0])
+        policy, reference = run.forward_logps(model, batch), run.reference_logps(batch)
+        results[name] = policy, reference, pair_losses(policy, reference, setup.loss_cfg)[0]
+    plain, ld, wpo = results["plain"], results["ld"], results["wpo"]
+    assert plain[0].plain_logps is None and plain[0].wpo_sum is None
+    assert ld[0].plain_logps is not None and (ld[0].logps - ld[0].plain_logps).abs().max() > 0.1
+    torch.testing.assert_close(ld[0].plain_logps, plain[0].logps.detach(), rtol=0, atol=1e-9)
+    torch.testing.assert_close(ld[1].logps, ld[0].logps.detach(), rtol=0, atol=1e-9)  # the reference weighed alike
+    assert wpo[0].wpo_sum is not None and wpo[1].wpo_sum is None
+    assert (wpo[2] - plain[2]).abs().max() > 1e-3  # log 2 times w(y_w) w(y_l) at policy = reference
