@@ -92,6 +92,27 @@ def test_combined_trl_losses_independent_of_layout(tmp_path):
 
 
 @pytest.mark.multirank
+def test_ld_alpha_and_use_weighting_independent_of_layout(tmp_path):
+    """LD-DPO and WPO (model/token_weights.py) with a length-normalized loss beside: one trajectory on 1 rank with
+    one big unshared row and on 2 ranks with sequence parallelism, small prefix-shared rows (the LD sums and WPO's
+    statistic summed over the slices).  At step 1 the policy is the reference, so the loss is log 2 times the mean
+    WPO weight: below log 2, which shows --use-weighting reached the loss."""
+    flags = ("--ld-alpha", "0.5", "--use-weighting", "--loss", "sigmoid,ipo", "--loss-weights", "1,0.5")
+    reference = launch(tmp_path, "w1_weighted", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing", *flags)
+    sp2 = launch(tmp_path, "w2_sp2_weighted", 2, "--max-tokens-per-row", "100", "--sequence-parallel-size", "2",
+                 *flags)
+    ipo_at_start = 0.5 * (1 / (2 * 0.1)) ** 2  # IPO's loss at policy = reference, weighted 0.5
+    assert 0 < reference[0]["loss"] < 0.693147 + ipo_at_start - 1e-3
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    largest = 0.0
+    for ref, got in zip(reference, sp2, strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, got[key], ref[key])
+            largest = max(largest, abs(got[key] - ref[key]) / max(abs(ref[key]), 1e-6))
+    print("LD-DPO + WPO over the layouts, step-1 loss", reference[0]["loss"], "largest relative difference", largest)
+
+
+@pytest.mark.multirank
 def test_uneven_data_finishes_without_hang(tmp_path):
     """3 pairs on 2 ranks: one rank runs a dummy row so both run the same number of forwards.  The same launch shows
     --loss and --warmup-steps in the metrics: IPO's step-1 loss (policy = reference) is (1 / (2 beta))^2, and the LR
