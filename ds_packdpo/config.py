@@ -331,6 +331,9 @@ class TrainConfig:
                              f"which training does not yet compute over the whole step on every layout")
         if not self.discopop_tau > 0:  # a temperature: DiscoPOP divides by it
             raise InputError(f"--discopop-tau must be > 0, got {self.discopop_tau}")
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:  # model/token_weights.py's range
+            raise InputError(f"--ld-alpha must be in [0, 1] (the weight of the tokens past the shorter completion's "
+                             f"length), got {self.ld_alpha}")
         if self.loss_weights is not None and len(self.loss_weights.split(",")) != len(self.loss.split(",")):
             raise InputError(f"--loss-weights: {self.loss_weights!r} has not one weight per --loss entry ({self.loss})")
         for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight", "rpo_alpha"):
