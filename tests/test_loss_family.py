@@ -247,3 +247,18 @@ def test_hinge_with_use_weighting_matches_trl_forward():
     assert float(loss) == pytest.approx(float(expected), rel=2e-6)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in policy.parameters())
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"loss_type": "aot", "use_weighting": True}, "--use-weighting with --loss aot"),
+    ({"loss_type": "sigmoid,aot_unpaired", "use_weighting": True}, "--use-weighting with --loss aot_unpaired"),
+    ({"loss_type": "sft", "use_weighting": True}, "--use-weighting with --loss sft"),
+    ({"loss_type": "sigmoid", "ld_alpha": 1.01}, "--ld-alpha must be in [0, 1]"),
+    ({"loss_type": "simpo", "ld_alpha": 0.5}, "--loss simpo: --ld-alpha and --use-weighting"),
+])
+def test_token_weighting_refused_where_trl_refuses_it(kwargs, flag):
+    """The loss settings themselves refuse what TRL 1.16 refuses (or fails on): WPO with the batch's sort or token
+    mean; the batch-coupled losses are refused in training for now anyway, so this is their only check."""
+    with pytest.raises(InputError) as info:
+        LossConfig(**kwargs).validate()
+    assert str(info.value).startswith(flag) and "\n" not in str(info.value)
