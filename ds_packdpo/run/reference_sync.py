@@ -133,13 +133,14 @@ class ReferenceSync:
         """Mixes when ``global_step`` is due; returns whether it did."""
         if not self.settings.due(global_step):
             return False
-        mix_into_reference(self.pairs, self.settings.alpha)
         self.release_gathered()
+        mix_into_reference(self.pairs, self.settings.alpha)
         return True
 
     def release_gathered(self) -> None:
-        """ZeRO-3: a reference parameter still gathered (the persistent small ones, kept whole between forwards)
-        holds the old values; releasing it makes the next forward gather the new partitions."""
+        """ZeRO-3, before the partitions change: every reference parameter still gathered (the small persistent
+        ones stay whole between forwards; a prefetch may be in flight) is released, so the next forward gathers the
+        new partitions instead of running the old whole copy."""
         offload = getattr(self.reference, "optimizer", None)
         if offload is not None and hasattr(offload, "partition_all_parameters"):
             offload.partition_all_parameters()
@@ -160,6 +161,7 @@ class ReferenceSync:
         zero3 = _zero3(self.pairs[0][2]) if self.pairs else False
         path = tag_dir / REFERENCE_FILE.format(rank=rank if zero3 else 0)
         saved = load_file(str(path))
+        self.release_gathered()
         if set(saved) != {name for name, _, _ in self.pairs}:
             raise RuntimeError(f"{path}: holds other parameters than the reference's")
         for name, _, ref in self.pairs:
@@ -168,7 +170,6 @@ class ReferenceSync:
                 raise RuntimeError(f"{path}: {name} is {saved[name].dtype} {list(saved[name].shape)}, the reference's "
                                    f"{target.dtype} {list(target.shape)}")
             target.copy_(saved[name])
-        self.release_gathered()
 
 
 def local_values(param) -> torch.Tensor:
@@ -198,10 +199,11 @@ def paired_parameters(policy: torch.nn.Module, reference: torch.nn.Module) -> li
 
 @torch.no_grad()
 def mix_into_reference(pairs: list[tuple[str, object, object]], alpha: float) -> None:
-    """ref <- ref * (1 - alpha) + policy * alpha on this rank's values of every parameter, in fp32, in place."""
+    """ref <- ref * (1 - alpha) + policy * alpha on this rank's values of every parameter, in fp32, in place (ZeRO-3:
+    on the partitions of released parameters, ``ReferenceSync.release_gathered``)."""
     for _, pol, ref in pairs:
-        if _zero3(ref) and ref.ds_status == ZeroParamStatus.INFLIGHT:
-            raise RuntimeError("--sync-ref-model: a reference parameter is being gathered while it is mixed")
+        if _zero3(ref) and ref.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError("--sync-ref-model: a reference parameter is gathered while its partition is mixed")
         target = local_values(ref)
         source = local_values(pol).to(device=target.device, dtype=torch.float32)
         mixed = target.to(torch.float32) * (1.0 - alpha)
