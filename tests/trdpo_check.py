@@ -14,12 +14,9 @@ Rank 0 writes the figures as JSON.
 
 from __future__ import annotations
 
-import json
-import sys
-
 import torch
-import torch.distributed as dist
-from deepspeed import zero
+from checkpointing_check import full_parameters
+from launching import rank_check_main, write_rank_report
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from ds_packdpo.config import parse_train_args
@@ -29,12 +26,6 @@ from ds_packdpo.run.reference_sync import ReferenceSync, RefSync, mix_into_refer
 from ds_packdpo.run.trainer import train_loop
 
 ALPHA = 0.3
-
-
-def full_parameters(module) -> dict[str, torch.Tensor]:
-    params = dict(module.named_parameters())
-    with zero.GatheredParameters(list(params.values())):
-        return {name: p.detach().clone() for name, p in params.items()}
 
 
 def main(out_path: str, flags: list[str]) -> None:
@@ -74,13 +65,8 @@ def main(out_path: str, flags: list[str]) -> None:
         ref_logps = run.reference_logps(batch).logps
         pol_logps = run.forward_logps(run.policy, batch).logps
     report["alpha1_logps_max_diff"] = float((ref_logps - pol_logps).abs().max())
-    run.close()
-    if setup.layout.rank == 0:
-        with open(out_path, "w") as handle:
-            json.dump(report, handle)
-    dist.barrier()
+    write_rank_report(run, report, out_path)
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    main(args[0], args[1:])
+    rank_check_main(main)
