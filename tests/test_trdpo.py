@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from launching import SMALL_RUN, cpu_env, rank_module, ranks_module, ranks_script, read_metrics, run
 from test_bad_input import out_dir, snapshot, tokenizer_dir, train_front  # noqa: F401 (fixtures)
 from test_bad_input import assert_one_line_error
@@ -16,11 +17,11 @@ from transformers import AutoModelForCausalLM
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.errors import InputError
-from ds_packdpo.model.build import tiny_config
+from ds_packdpo.model.build import build_model, tiny_config
 from ds_packdpo.run.checkpoint import LATEST, STATE_FILE, check_resume, plan_fingerprint
 from ds_packdpo.run.layout import ParallelLayout
 from ds_packdpo.run.manifest import read_manifest
-from ds_packdpo.run.reference_sync import RefSync
+from ds_packdpo.run.reference_sync import ReferenceSync, RefSync
 
 SYNC_EVERY_STEP = ("--sync-ref-model", "--ref-model-sync-steps", "1", "--ref-model-mixup-alpha", "0.5")
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
@@ -189,3 +190,28 @@ def test_sync_settings_are_a_unit():
     assert [s for s in range(1, 10) if sync.due(s)] == [3, 6, 9]
     assert sync.record() == {"alpha": 0.6, "every": 3}  # TRL's default alpha
     assert RefSync.of(parse_train_args([])) is None
+
+
+def test_whole_modules_mix_save_and_load(tmp_path):
+    """ZeRO 0-2 (and one process): the reference is a whole module, mixed as it is on schedule, saved by rank 0 and
+    loaded back exactly; modules with other parameters are refused."""
+    policy, reference = (build_model(None, "tiny", 128, torch.float32, "sdpa", seed=seed) for seed in (0, 1))
+    before = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    sync = ReferenceSync(RefSync(0.3, 2), policy, reference)
+    assert not sync.after_step(1)
+    assert all(torch.equal(p, before[n]) for n, p in reference.named_parameters())
+    assert sync.after_step(2)
+    pol = dict(policy.named_parameters())
+    for name, param in reference.named_parameters():
+        assert torch.equal(param, before[name] * 0.7 + pol[name] * 0.3), name
+    mixed = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    assert sync.save(tmp_path, rank=1) is None  # whole copies: rank 0's alone
+    assert sync.save(tmp_path, rank=0).name == "reference_rank0.safetensors"
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.zero_()
+    sync.load(tmp_path, rank=1)
+    assert all(torch.equal(p, mixed[n]) for n, p in reference.named_parameters())
+    other = AutoModelForCausalLM.from_config(tiny_config(vocab_size=128, layers=1))
+    with pytest.raises(RuntimeError, match="the policy's and the reference's parameters differ"):
+        ReferenceSync(RefSync(0.3, 2), policy, other)
