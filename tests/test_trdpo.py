@@ -174,9 +174,11 @@ def test_sync_needs_a_reference_of_the_policys_architecture(tmp_path, train_fron
                        "policy's [256, 64])",))
 
 
-def test_only_train_mixes_the_reference(tmp_path, no_launch, capsys):
-    """bench and precompute-ref run a fixed reference: --sync-ref-model is refused there in phase one."""
+def test_only_train_mixes_the_reference(tmp_path, no_launch, capsys, demo_tokenizer):
+    """bench, eval and precompute-ref run a fixed reference: --sync-ref-model is refused there in phase one."""
+    model = save_tiny_model(tmp_path / "model", demo_tokenizer)
     for argv in (["bench", "--out", str(tmp_path / "bench")],
+                 ["eval", "--model", model, "--ref-model", model],
                  ["precompute-ref", "--out", str(tmp_path / "ref.jsonl")]):
         assert cli.main([*argv, "--synthetic-pairs", "16", "--cache-dir", str(tmp_path / "cache"),
                          "--sync-ref-model"]) == 2
