@@ -62,6 +62,15 @@ class TrainConfig:
     # --- precomputed reference (ds-packdpo precompute-ref) ---
     ref_logps: str | None = _opt("Reference log-probs precomputed by 'ds-packdpo precompute-ref' (a .jsonl/.parquet "
                                  "file): train with no reference model at all.")
+    # --- TR-DPO (TRL's sync_ref_model): the reference mixed toward the policy, run/reference_sync.py ---
+    sync_ref_model: bool = _opt("TR-DPO: after every --ref-model-sync-steps-th optimizer step mix the reference toward "
+                                "the policy, ref = alpha x policy + (1 - alpha) x ref, parameter by parameter (under "
+                                "ZeRO-3 each rank its own partitions); checkpoints hold the mixed reference. Not with "
+                                "LoRA, --ref-logps or --loss simpo.", False)
+    ref_model_mixup_alpha: float = _opt("TR-DPO's alpha in [0, 1]: the policy's share of the mixed reference (needs "
+                                        "--sync-ref-model).", 0.6)
+    ref_model_sync_steps: int = _opt("TR-DPO: mix the reference after every N-th optimizer step (needs "
+                                     "--sync-ref-model).", 512)
     tokenizer: str | None = _opt("HF tokenizer: a local folder or a hub id. Default: --model (at --revision), or a local "
                                  "BPE built for the embedded dataset.")
     revision: str | None = _opt("Hub revision (branch, tag or commit) of a hub --model and of the tokenizer taken from "
@@ -146,15 +155,6 @@ class TrainConfig:
     label_smoothing: float = _opt("Conservative-DPO label smoothing.", 0.0)
     simpo_gamma: float = _opt("SimPO target margin.", 0.5)
     rpo_alpha: float = _opt("Weight of the NLL-per-chosen-token (RPO/SFT) term; 0 disables.", 0.0)
-    # --- TR-DPO (TRL's sync_ref_model): the reference mixed toward the policy, run/reference_sync.py ---
-    sync_ref_model: bool = _opt("TR-DPO: after every --ref-model-sync-steps-th optimizer step mix the reference toward "
-                                "the policy, ref = alpha x policy + (1 - alpha) x ref, parameter by parameter (under "
-                                "ZeRO-3 each rank its own partitions); checkpoints hold the mixed reference. Not with "
-                                "LoRA, --ref-logps or --loss simpo.", False)
-    ref_model_mixup_alpha: float = _opt("TR-DPO's alpha in [0, 1]: the policy's share of the mixed reference (needs "
-                                        "--sync-ref-model).", 0.6)
-    ref_model_sync_steps: int = _opt("TR-DPO: mix the reference after every N-th optimizer step (needs "
-                                     "--sync-ref-model).", 512)
     logps_chunk_tokens: str = _opt("Completion tokens per chunk of the log-prob computation (with lean log-probs: "
                                    "the most tokens whose logits exist at once): a number, or 'auto', the largest "
                                    "chunk whose fp32 logits and gradient stay under half the stage's floor (the "
