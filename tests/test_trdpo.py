@@ -153,7 +153,17 @@ BAD_SYNC = {
                               "--sync-ref-model with --ref-logps"),
     "reference-free loss": (lambda d: ["--sync-ref-model", "--loss", "simpo"],
                             "--sync-ref-model with --loss simpo: SimPO is reference-free"),
+    "parameters on NVMe": (lambda d: ["--sync-ref-model", "--ds-config", _zero3_config(d, offload_param={
+        "device": "nvme", "nvme_path": str(d)})], "--sync-ref-model with parameters offloaded to NVMe"),
+    "hierarchical partitions": (lambda d: ["--sync-ref-model", "--ds-config", _zero3_config(
+        d, zero_hpz_partition_size=2)], "--sync-ref-model with 'zero_optimization.zero_hpz_partition_size': 2"),
 }
+
+
+def _zero3_config(folder: Path, **zero) -> str:
+    path = folder / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, **zero}}))
+    return str(path)
 
 
 @pytest.mark.parametrize("case", list(BAD_SYNC), ids=list(BAD_SYNC))

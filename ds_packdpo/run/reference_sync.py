@@ -100,9 +100,16 @@ def check_sync_settings(cfg, command: str, raw_ds: dict, policy_config, vocab_si
         return
     if command != "train":
         raise InputError(f"--sync-ref-model: {command} runs a fixed reference; only train mixes it toward the policy")
-    if raw_ds.get("zero_optimization", {}).get("offload_param", {}).get("device") == "nvme":
+    zero = raw_ds.get("zero_optimization", {})
+    if zero.get("offload_param", {}).get("device") == "nvme":
         raise InputError("--sync-ref-model with parameters offloaded to NVMe ('zero_optimization.offload_param.device': "
                          "nvme): the policy's partitions are mixed from memory; offload to cpu or not at all")
+    # Each keeps a second form of a partition (hpZ: a node-local copy gathered from; quantized: int8 with scales) that
+    # a mix of ``ds_tensor`` would leave stale.
+    for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        if zero.get(key) not in (None, False, 0, 1):
+            raise InputError(f"--sync-ref-model with 'zero_optimization.{key}': {zero[key]!r}: the reference is mixed "
+                             f"in its plain ZeRO-3 partitions; remove the key")
     if cfg.ref_model is not None:
         check_mixable(policy_config, reference_model_config(cfg, vocab_size), cfg.ref_model, cfg.trust_remote_code)
 
