@@ -8,14 +8,19 @@ import functools
 
 import pytest
 import torch
+from launching import SMALL_RUN, ranks_module, read_metrics, run
+from test_exact_sums import fp64_sums, save_long_model
 from test_loss_family import PAIRS, canonical, example, trl_loss
 
+from ds_packdpo.config import parse_train_args
+from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.model.collate import collate_grouped, collate_packed, collate_padded, collate_shared
 from ds_packdpo.model.coupled_losses import StepStatistic
 from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.model.logps import SequenceLogps
 from ds_packdpo.model.loss_family import FamilyConfig, family_pair_losses
 from ds_packdpo.model.losses import global_normalized_loss
+from ds_packdpo.run.assemble import prepare
 from ds_packdpo.run.step_statistics import chosen_token_counts, local_values
 
 # Two data-parallel ranks of an S = 2 group each (the second of each group adds zeros), rows of 1-2 pairs, in an
@@ -114,3 +119,43 @@ def test_chosen_token_counts_from_the_collated_row(collate):
     batch = collate(pairs, [9, 4, 7, 1, 0], 0)
     expected = torch.tensor([len(p["chosen_ids"]) for p in pairs], dtype=torch.float64)
     assert torch.equal(chosen_token_counts(batch), expected)
+
+
+def trl_layout(sums: list[tuple[float, float, int, int]]):
+    """TRL's padded layout [chosen; rejected] holding each sequence's log-prob sum in its first completion position
+    and zeros over the rest of its completion tokens: TRL's sums and its sft token mean see the real counts."""
+    length = max(max(n_c, n_r) for *_, n_c, n_r in sums) + 1
+    completion = torch.zeros(2 * PAIRS, length, dtype=torch.long)
+    per_token = torch.zeros(2 * PAIRS, length - 1, dtype=torch.float64)
+    for p, (chosen, rejected, n_chosen, n_rejected) in enumerate(sums):
+        for row, value, count in ((p, chosen, n_chosen), (PAIRS + p, rejected, n_rejected)):
+            completion[row, 1:1 + count] = 1
+            per_token[row, 0] = value
+    return completion, per_token
+
+
+@pytest.mark.multirank
+def test_step_one_of_a_run_equals_trl_on_its_pairs(tmp_path):
+    """A real 1-rank run (one row: TRL's batch is the step) with a reference model other than the policy: its step-1
+    loss of aot + aot_unpaired + sft equals TRL 1.16's ``_compute_loss`` on the step's pairs, whose log-prob sums an
+    fp64 plain-HF oracle computes one sequence at a time."""
+    policy, reference = save_long_model(tmp_path / "policy", 0), save_long_model(tmp_path / "reference", 1)
+    cfg = FamilyConfig(("aot", "aot_unpaired", "sft"), (1.0, 0.5, 0.3), label_smoothing=0.1)
+    flags = ["--model", str(policy), "--ref-model", str(reference), "--cache-dir", str(tmp_path / "cache"),
+             *SMALL_RUN, "--global-batch-pairs", str(PAIRS), "--max-steps", "1", "--max-tokens-per-row", "4096",
+             "--no-prefix-sharing", "--loss", ",".join(cfg.loss_types), "--loss-weights", "1,0.5,0.3",
+             "--label-smoothing", "0.1"]
+    run(ranks_module(1, "ds_packdpo.train", "--output-dir", str(tmp_path / "run"), *flags))
+    (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert record["rows_per_rank"] == 1 and record["pairs"] == PAIRS
+    setup = prepare(parse_train_args(flags), "train", world_size=1)
+    step = next(run_plan(setup.prepared, setup.plan_cfg, 1))
+    ids = [int(setup.prepared.dataset[p]["pair_id"]) for p in step.pairs]
+    policy_sums, reference_sums = fp64_sums(flags, policy), fp64_sums(flags, reference)
+    completion, per_token = trl_layout([policy_sums[i] for i in ids])
+    ref = torch.tensor([reference_sums[i][0] for i in ids] + [reference_sums[i][1] for i in ids], dtype=torch.float64)
+    expected, trl_metrics = trl_loss(cfg, completion, per_token, ref)
+    print("step 1 vs TRL 1.16 on its pairs:", record["loss"], float(expected))
+    assert record["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert record["logps/chosen"] == pytest.approx(trl_metrics["logps/chosen"][0], rel=1e-5)
+    assert record["rewards/margins"] != pytest.approx(0.0, abs=1e-3)  # the reference really differs from the policy
