@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from .logps import SequenceLogps
 from .coupled_losses import PairPartners
+from .logps import SequenceLogps
 from .loss_family import FamilyConfig, family_pair_losses
 
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")
