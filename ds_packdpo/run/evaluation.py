@@ -29,7 +29,7 @@ from ..model.guard import evaluating
 from ..model.losses import metric_means, metric_sums, pair_losses
 from .metrics import add_sums, sum_over_ranks
 from .reference import PrecomputedReference, reference_fingerprint
-from .step_statistics import coupled_losses, slots_of, step_statistic
+from .step_statistics import coupled_losses, slot_index, slots_of, step_statistic
 
 PREFIX = "eval_"
 
@@ -72,11 +72,11 @@ def evaluate(run) -> dict:
             batches.append(view.row_batch(row))
             references.append(view.reference_logps(batches[-1]))
             policies.append(view.forward_logps(view.policy, batches[-1]))
-        statistic = None
+        statistic, slots = None, slot_index(held.plan)
         if coupled_losses(run.setup.loss_cfg):  # sorted / token-averaged over the whole held-out set
             statistic = step_statistic(held.plan, batches, policies, references, layout, run.device)
         for batch, policy, reference in zip(batches, policies, references):
-            partners = statistic.partners(slots_of(held.plan, batch)) if statistic is not None else None
+            partners = statistic.partners(slots_of(slots, batch)) if statistic is not None else None
             losses, per_pair = pair_losses(policy, reference, run.setup.loss_cfg, partners)
             add_sums(sums, {**metric_sums(per_pair, policy), "loss_sum": losses.sum()}, counted)
     totals = sum_over_ranks(sums, run.device)

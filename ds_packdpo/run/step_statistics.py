@@ -46,10 +46,14 @@ def chosen_token_counts(batch: ModelBatch) -> torch.Tensor:
     return counts[0::2]
 
 
-def slots_of(plan: StepPlan, batch: ModelBatch) -> torch.Tensor:
-    """The positions in the step (``plan.pairs``) of the row's pairs, in the row's pair order."""
-    slot = {pair: k for k, pair in enumerate(plan.pairs)}
-    return torch.tensor([slot[int(p)] for p in batch.pair_indices.tolist()], dtype=torch.long)
+def slot_index(plan: StepPlan) -> dict[int, int]:
+    """Pair index -> its slot, its position in the step (``plan.pairs``): the same whatever the layout."""
+    return {pair: k for k, pair in enumerate(plan.pairs)}
+
+
+def slots_of(slots: dict[int, int], batch: ModelBatch) -> torch.Tensor:
+    """The slots (:func:`slot_index`) of the row's pairs, in the row's pair order."""
+    return torch.tensor([slots[p] for p in batch.pair_indices.tolist()], dtype=torch.long)
 
 
 def local_values(pairs: int, rows: Sequence[tuple[torch.Tensor, float, SequenceLogps | None, SequenceLogps | None]],
@@ -70,9 +74,9 @@ def step_statistic(plan: StepPlan, batches: Sequence[ModelBatch], policies: Sequ
                    references: Sequence[SequenceLogps] | None, layout, device) -> StepStatistic:
     """The step's statistic on every rank alike: one all-reduce (every rank calls it once per step).  An sp-rank > 0
     adds zeros: its group's sp-rank 0 writes the same rows."""
-    rows = []
+    rows, slots = [], slot_index(plan)
     if layout.counts_metrics:
-        rows = [(slots_of(plan, batch), float(chosen_token_counts(batch).sum()),
+        rows = [(slots_of(slots, batch), float(chosen_token_counts(batch).sum()),
                  policies[i] if policies is not None else None, references[i] if policies is not None else None)
                 for i, batch in enumerate(batches)]
     values = local_values(plan.num_pairs, rows, policies is not None, device)
@@ -86,7 +90,7 @@ class CoupledStep:
     one) and the step statistic's matches for each row's pairs (None when no batch-coupled loss is trained)."""
 
     def __init__(self, run, plan: StepPlan, batches: Sequence[ModelBatch]):
-        self.run, self.plan, self.batches = run, plan, batches
+        self.run, self.batches, self.slots = run, batches, slot_index(plan)
         self.statistic: StepStatistic | None = None
         self._references: list[SequenceLogps | None] = [None] * len(batches)
         names = coupled_losses(run.setup.loss_cfg)
@@ -110,4 +114,4 @@ class CoupledStep:
         """Row i's pairs' matches in the step statistic (None: no batch-coupled loss)."""
         if self.statistic is None:
             return None
-        return self.statistic.partners(slots_of(self.plan, self.batches[i]))
+        return self.statistic.partners(slots_of(self.slots, self.batches[i]))
