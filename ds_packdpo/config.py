@@ -60,6 +60,15 @@ class TrainConfig:
     # --- precomputed reference (ds-packdpo precompute-ref) ---
     ref_logps: str | None = _opt("Reference log-probs precomputed by 'ds-packdpo precompute-ref' (a .jsonl/.parquet "
                                  "file): train with no reference model at all.")
+    # --- TR-DPO (TRL's sync_ref_model): the reference mixed toward the policy, run/reference_sync.py ---
+    sync_ref_model: bool = _opt("TR-DPO: after every --ref-model-sync-steps-th optimizer step mix the reference toward "
+                                "the policy, ref = alpha x policy + (1 - alpha) x ref, parameter by parameter (under "
+                                "ZeRO-3 each rank its own partitions); checkpoints hold the mixed reference. Not with "
+                                "LoRA, --ref-logps or --loss simpo.", False)
+    ref_model_mixup_alpha: float = _opt("TR-DPO's alpha in [0, 1]: the policy's share of the mixed reference (needs "
+                                        "--sync-ref-model).", 0.6)
+    ref_model_sync_steps: int = _opt("TR-DPO: mix the reference after every N-th optimizer step (needs "
+                                     "--sync-ref-model).", 512)
     tokenizer: str | None = _opt("HF tokenizer: a local folder or a hub id. Default: --model (at --revision), or a local "
                                  "BPE built for the embedded dataset.")
     revision: str | None = _opt("Hub revision (branch, tag or commit) of a hub --model and of the tokenizer taken from "
@@ -388,6 +397,7 @@ class TrainConfig:
         if self.model is None and self.ref_model is not None:
             raise InputError("--ref-model needs --model (a model built from a config is its own reference)")
         self._validate_lora()
+        self._validate_ref_sync()
         if self.ref_logps is not None:
             if not Path(self.ref_logps).is_file():
                 raise InputError(f"--ref-logps {self.ref_logps}: no such file")
@@ -422,6 +432,28 @@ class TrainConfig:
             raise InputError(f"--eval-dataset with --ref-logps {self.ref_logps}: the file holds the reference log-probs "
                              f"of --dataset only; evaluate on --eval-fraction of it, or drop --ref-logps")
 
+
+    def _validate_ref_sync(self) -> None:
+        """TR-DPO needs a reference model of its own to mix (TRL refuses PEFT and precomputed log-probs alike)."""
+        if not self.sync_ref_model:
+            defaults = (("ref_model_mixup_alpha", 0.6), ("ref_model_sync_steps", 512))
+            written = [f"--{flag(key)}" for key, default in defaults if getattr(self, key) != default]
+            if written:
+                raise InputError(f"{', '.join(written)} without --sync-ref-model has no effect (add --sync-ref-model)")
+            return
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise InputError(f"--ref-model-mixup-alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        if self.ref_model_sync_steps < 1:
+            raise InputError(f"--ref-model-sync-steps must be >= 1, got {self.ref_model_sync_steps}")
+        if self.lora_r:
+            raise InputError("--sync-ref-model with --lora-r: LoRA's reference is the policy with its adapters off "
+                             "(or a --ref-model the adapters never reach), not a model to mix toward the policy; TRL "
+                             "refuses it too; train every weight to use TR-DPO")
+        if self.ref_logps is not None:
+            raise InputError(f"--sync-ref-model with --ref-logps {self.ref_logps}: precomputed log-probs are of a fixed "
+                             f"reference, which TR-DPO moves; drop one of them")
+        if self.loss == "simpo":
+            raise InputError("--sync-ref-model with --loss simpo: SimPO is reference-free, there is no reference to mix")
 
     def _validate_lora(self) -> None:
         if self.lora_r < 0:

@@ -14,13 +14,10 @@ and leaves the rest.  Rank 0 writes the figures as JSON.
 
 from __future__ import annotations
 
-import json
-import sys
-
 import torch
-import torch.distributed as dist
 from deepspeed import zero
 from deepspeed.utils import safe_get_full_grad
+from launching import rank_check_main, write_rank_report
 
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.data.run_plan import run_plan
@@ -89,13 +86,8 @@ def main(out_path: str, flags: list[str]) -> None:
                                           for n in before if n not in exempt)
     report["exempt_max_change"] = max(float((after[n] - before[n]).abs().max()) for n in exempt)
     report["exempt"] = sorted(exempt)
-    run.close()
-    if layout.rank == 0:
-        with open(out_path, "w") as handle:
-            json.dump(report, handle)
-    dist.barrier()
+    write_rank_report(run, report, out_path)
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    main(args[0], args[1:])
+    rank_check_main(main)

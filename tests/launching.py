@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from ds_packdpo.run.build_lock import venv_extensions_dir
 from ds_packdpo.run.layout import free_port
 from ds_packdpo.run.process_group import SHM_DIR, shm_buffer_name
@@ -173,3 +175,19 @@ def two_node_launch(workdir: Path, module: str, *args: str, env: dict) -> list[s
         with open(workdir / f"node{node}.log", "w") as log:
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
+
+
+def rank_check_main(main) -> None:
+    """Runs ``main(OUT, FLAGS)`` of a rank check script (``tests/*_check.py``) from its command line, the launcher's
+    ``--local_rank`` dropped."""
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    main(args[0], args[1:])
+
+
+def write_rank_report(run, report: dict, out_path: str) -> None:
+    """The end of a rank check script: the engines freed, rank 0 writes the figures as JSON, every rank waits."""
+    run.close()
+    if run.setup.layout.rank == 0:
+        with open(out_path, "w") as handle:
+            json.dump(report, handle)
+    dist.barrier()

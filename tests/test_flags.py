@@ -70,7 +70,8 @@ CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-s
            "--allow-new-layout": ["--resume", "MODEL"], "--revision": ["--model", "org/hub-model"],
            "--eval-steps": ["--eval-fraction", "0.5"], "--eval-max-pairs": ["--eval-fraction", "0.5"],
            "--project": ["--report-to", "wandb"],
-           **{f"--lora-{name}": ["--lora-r", "1"] for name in ("alpha", "dropout", "target-modules")}}
+           **{f"--lora-{name}": ["--lora-r", "1"] for name in ("alpha", "dropout", "target-modules")},
+           **{f"--ref-model-{name}": ["--sync-ref-model"] for name in ("mixup-alpha", "sync-steps")}}
 
 
 @pytest.fixture
@@ -88,7 +89,8 @@ def values(tmp_path, monkeypatch) -> dict[str, str]:
             "--config": str(config), "--ref-logps": str(ref), "--resume": str(model),
             "--configurations": "padded", "--adam-beta1": "0.5", "--adam-beta2": "0.5", "--optimizer": "SGD",
             "--report-to": "csv", "--logps-chunk-tokens": "256", "--out": str(tmp_path / "new_out.jsonl"),
-            "--max-shard-size": "200MB", "--loss": "sigmoid,ipo", "--loss-weights": "1"}
+            "--max-shard-size": "200MB", "--loss": "sigmoid,ipo", "--loss-weights": "1",
+            "--ref-model-mixup-alpha": "0.3"}
 
 
 def _options(parser: argparse.ArgumentParser):

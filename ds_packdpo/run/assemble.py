@@ -49,6 +49,7 @@ from .evaluation import HeldOut, held_out_set
 from .layout import ParallelLayout
 from .process_group import init_process_group
 from .reference import PrecomputedReference, load_precomputed_reference
+from .reference_sync import check_sync_settings
 from .schedule import Schedule, run_schedule
 from .sequence_parallel import SequenceParallel, check_attention, check_model_heads, init_sequence_parallel
 from .universal import ensure_universal, with_universal_loading
@@ -230,6 +231,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     tokenizer, rows = tokenizer_and_rows(cfg)
     hf_config = check_models(cfg, layout, attn, len(tokenizer))
     check_lora_settings(cfg, hf_config)
+    check_sync_settings(cfg, command, raw_ds, hf_config, len(tokenizer))
     lora = LoraSettings.of(cfg)
     cfg = dataclasses.replace(cfg, logps_impl=resolve_logps_impl(
         cfg.logps_impl, device_type, getattr(hf_config, "final_logit_softcapping", None),

@@ -6,6 +6,8 @@ Layout of ``--save-dir`` (default ``OUTPUT_DIR/checkpoints``)::
         *_model_states.pt, *_optim_states.pt   DeepSpeed's files; under ZeRO-3 every rank writes its shard
         ds_packdpo_state.json       plan position, fingerprint, bad-step counter, parallel layout (rank 0)
         rng_rank{r}.pt              RNG states of rank r: plain tensors/ints, loads with weights_only=True
+        reference_rank{r}.safetensors  --sync-ref-model (TR-DPO) only: the mixed reference, rank r's ZeRO-3
+                                    partitions (under ZeRO 0-2 rank 0's whole copy); run/reference_sync.py
         hf/                         model config + tokenizer (save_pretrained), and a LoRA run's adapter_config.json
                                     (its base model's folder in base_model_name_or_path): export needs nothing else
         manifest.json               every file above with its size and checksum, written last (run/manifest.py)
@@ -59,6 +61,7 @@ from ..model.lora import LoraSettings, parameter_counts, save_adapter_config
 from . import faults
 from .layout import ParallelLayout, describe_sizes
 from .manifest import has_manifest, manifest_problem, read_manifest, total_bytes, write_manifest
+from .reference_sync import REFERENCE_FILE, RefSync, reference_files
 from .safe_load import code_in_pickle, weights_only_loading
 from .universal import UNIVERSAL_FOLDER, check_convertible, load_universal, seed_new_rank
 
@@ -100,10 +103,13 @@ def plan_fingerprint(cfg: TrainConfig, data_fingerprint: str) -> str:
 
 
 # ----------------------------------------------------------------------------- finding checkpoints
-def missing_files(tag_dir: Path, world_size: int, zero_stage: int) -> list[str]:
-    """What a complete checkpoint written by ``world_size`` ranks lacks (empty: complete)."""
+def missing_files(tag_dir: Path, world_size: int, zero_stage: int, reference: bool = False) -> list[str]:
+    """What a complete checkpoint written by ``world_size`` ranks lacks (empty: complete); ``reference``: a TR-DPO
+    run's, which holds the mixed reference too."""
     missing = [name for name in (STATE_FILE, f"{HF_FOLDER}/config.json") if not (tag_dir / name).is_file()]
     missing += [f"rng_rank{r}.pt" for r in range(world_size) if not (tag_dir / f"rng_rank{r}.pt").is_file()]
+    if reference:
+        missing += [name for name in reference_files(world_size, zero_stage) if not (tag_dir / name).is_file()]
     if not list(tag_dir.glob("*model_states.pt")):
         missing.append("*_model_states.pt")
     if zero_stage > 0:
@@ -128,7 +134,8 @@ def tag_problem(tag_dir: Path) -> tuple[dict | None, str | None]:
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         version = state.get("version") if isinstance(state, dict) else None
         return None, f"{STATE_FILE} has an unknown layout (version {version!r})"
-    missing = missing_files(tag_dir, state["layout"]["world_size"], state["zero_stage"])
+    missing = missing_files(tag_dir, state["layout"]["world_size"], state["zero_stage"],
+                            reference=state.get("ref_sync") is not None)
     if missing:
         return None, f"incomplete checkpoint (missing {', '.join(missing)})"
     # universal/ too (a resume at another layout loads it), not the staging folder of a conversion that died
@@ -299,12 +306,27 @@ def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout
     if state["zero_stage"] != layout.zero_stage or state["dtype"] != cfg.dtype:
         raise InputError(f"{where}: written with ZeRO stage {state['zero_stage']} and --dtype {state['dtype']}, this "
                          f"run uses stage {layout.zero_stage} and --dtype {cfg.dtype}")
+    sync = RefSync.of(cfg)
+    if state.get("ref_sync") != (sync.record() if sync else None):
+        raise InputError(f"{where}: written with {describe_sync(state.get('ref_sync'))}, this run has "
+                         f"{describe_sync(sync.record() if sync else None)}; resume with the run's own "
+                         f"--sync-ref-model settings")
     if new_layout:
+        if sync is not None:
+            raise InputError(f"{where}: its TR-DPO reference is saved as the partitions of "
+                             f"{describe_sizes(state['layout'])}; --allow-new-layout cannot load it at another layout")
         check_convertible(tag_dir, state["zero_stage"])
     position = state["position"]
     return ResumePoint(tag_dir, position["epoch"], position["epoch_step"], position["global_step"],
                        state["bad_steps"], state["layout"]["world_size"], universal=new_layout,
                        skipped=tuple(found.skipped))
+
+
+def describe_sync(record: dict | None) -> str:
+    """A checkpoint's TR-DPO record in words."""
+    if record is None:
+        return "a fixed reference (no --sync-ref-model)"
+    return f"--sync-ref-model alpha {record['alpha']:g} every {record['every']} steps"
 
 
 def describe_training(lora: dict | None) -> str:
@@ -358,7 +380,8 @@ def write_latest(save_dir: Path, tag: str) -> None:
 def files_of_rank(tag_dir: Path, rank: int) -> list[Path]:
     """The files rank ``rank`` writes into a checkpoint: its RNG file and its ZeRO shards (named by partition rank,
     which is the global rank when ZeRO partitions over the whole world, as ZeRO-3 here does)."""
-    return [tag_dir / f"rng_rank{rank}.pt", *tag_dir.glob(f"*zero_pp_rank_{rank}_*")]
+    return [tag_dir / f"rng_rank{rank}.pt", *tag_dir.glob(f"*zero_pp_rank_{rank}_*"),
+            *tag_dir.glob(REFERENCE_FILE.format(rank=rank))]
 
 
 def prune(save_dir: Path, keep: int, latest_tag: str) -> list[str]:
@@ -378,9 +401,10 @@ def prune(save_dir: Path, keep: int, latest_tag: str) -> list[str]:
 class Checkpointer:
     """Saves and restores the policy engine plus what the trainer needs to continue exactly."""
 
-    def __init__(self, cfg: TrainConfig, run):
+    def __init__(self, cfg: TrainConfig, run, reference_sync=None):
         self.cfg = cfg
         self.run = run
+        self.reference_sync = reference_sync  # a TR-DPO run's (run/reference_sync.py): its reference is state too
         self.layout = run.setup.layout
         self.save_dir = resolved_save_dir(cfg)
         self.fingerprint = plan_fingerprint(cfg, run.setup.prepared.fingerprint)
@@ -419,6 +443,8 @@ class Checkpointer:
             "output_dir": str(Path(self.cfg.output_dir).resolve()),
             "lora": LoraSettings.record(self.cfg),  # its adapter config is in hf/ too
         }
+        if self.reference_sync is not None:  # absent otherwise: a checkpoint without TR-DPO is unchanged
+            state["ref_sync"] = self.reference_sync.settings.record()
         try:
             with faults.full_disk(rank, global_step):
                 self._write(engine, tag_dir, state)
@@ -432,6 +458,8 @@ class Checkpointer:
     def _write(self, engine, tag_dir: Path, state: dict) -> None:
         rank, tag = self.layout.rank, tag_dir.name
         torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
+        if self.reference_sync is not None:
+            self.reference_sync.save(tag_dir, rank)
         if rank == 0:
             engine.module.config.save_pretrained(tag_dir / HF_FOLDER)
             if self.cfg.lora_r:
@@ -445,7 +473,8 @@ class Checkpointer:
             fsync_tree(path)  # by the rank that wrote it: on a shared file system only its node holds the dirty pages
         dist.barrier()
         if rank == 0:
-            missing = missing_files(tag_dir, self.layout.world_size, self.layout.zero_stage)
+            missing = missing_files(tag_dir, self.layout.world_size, self.layout.zero_stage,
+                                    reference=self.reference_sync is not None)
             if missing:
                 raise RuntimeError(f"checkpoint {tag_dir} is incomplete after saving (missing {', '.join(missing)}); "
                                    f"'{LATEST}' still names the previous one")
@@ -493,6 +522,8 @@ class Checkpointer:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {load_dir / tag}")
         if client_state[CLIENT_STATE_KEY]["position"]["global_step"] != point.global_step:
             raise RuntimeError(f"checkpoint {point.tag_dir}: DeepSpeed's client_state disagrees with {STATE_FILE}")
+        if self.reference_sync is not None:
+            self.reference_sync.load(point.tag_dir, self.layout.rank)
         restore_rng(point, self.layout.rank, self.cfg.seed)
         self.saved_step = point.global_step
 

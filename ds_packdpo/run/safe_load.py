@@ -21,13 +21,15 @@ from pathlib import Path
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 from ..errors import first_line
 
 FORCE_ENV = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 # What deepspeed 0.19.8's ZeRO optimizer files pickle besides tensors and containers (seen here: the stage, and the
-# loss scaler object of fp32/bf16 runs; the dynamic one of fp16).
-DEEPSPEED_GLOBALS = [ZeroStageEnum, LossScaler, DynamicLossScaler]
+# loss scaler object of fp32/bf16 runs; the dynamic one of fp16; ZeRO-1/2's parameter slice addresses, a two-int
+# dataclass).
+DEEPSPEED_GLOBALS = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 torch.serialization.add_safe_globals(DEEPSPEED_GLOBALS)
 
 

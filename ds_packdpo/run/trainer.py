@@ -31,6 +31,7 @@ from .export import export_checkpoint
 from .layout import describe_sizes
 from .metrics import MetricsWriter, add_sums, sum_over_ranks
 from .process_group import close_process_group, is_collective_failure
+from .reference_sync import ReferenceSync
 from .schedule import Schedule
 from .step_statistics import CoupledStep
 from .timing import StepTimer, peak_memory_mb, throughput_meter
@@ -193,7 +194,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
     """The steps of an assembled training run on this rank; returns the per-step metrics (rank 0 also writes them)."""
     setup, cfg = run.setup, run.setup.cfg
     trainer = DPOTrainer(run)
-    checkpointer = Checkpointer(cfg, run)
+    reference_sync = ReferenceSync.of(run)  # --sync-ref-model (TR-DPO); None otherwise
+    checkpointer = Checkpointer(cfg, run, reference_sync)
     resume = setup.resume
     if resume is not None:
         checkpointer.restore(run.policy, resume)
@@ -224,6 +226,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
                 handle.remove()
             seconds = timer.seconds()
             global_step += 1
+            if reference_sync is not None:  # on schedule, skipped steps included (TRL's on_step_end), before eval/save
+                reference_sync.after_step(global_step)
             position = (plan.epoch, plan.step + 1)
             bad_steps = bad_steps + 1 if metrics["skipped"] else 0
             record = {"step": global_step, "epoch": plan.epoch, "epoch_step": plan.step, **metrics,
