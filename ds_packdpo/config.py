@@ -43,8 +43,6 @@ def _opt(help_text: str, default=None, choices=None, **meta):
 # --loss names (model.losses and TRL 1.16's family, model.loss_family), checked in phase one without the model stack
 LOSS_NAMES = ("sigmoid", "robust", "hinge", "ipo", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
-# Their value for a pair depends on the other pairs of the batch: per micro-step they would depend on the layout.
-BATCH_COUPLED_LOSSES = ("aot", "aot_unpaired", "sft")
 
 
 @dataclass
@@ -334,10 +332,6 @@ class TrainConfig:
         unknown = [name for name in self.loss.split(",") if name not in LOSS_NAMES]
         if unknown:
             raise InputError(f"--loss: unknown loss {unknown[0]!r} (choices: {', '.join(LOSS_NAMES)})")
-        coupled = [name for name in self.loss.split(",") if name in BATCH_COUPLED_LOSSES]
-        if coupled:
-            raise InputError(f"--loss {coupled[0]}: couples the step's pairs (a sort or token mean over the batch), "
-                             f"which training does not yet compute over the whole step on every layout")
         if not self.discopop_tau > 0:  # a temperature: DiscoPOP divides by it
             raise InputError(f"--discopop-tau must be > 0, got {self.discopop_tau}")
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:  # model/token_weights.py's range

@@ -130,7 +130,7 @@ def test_loss_flags_reach_the_loss_and_change_it():
     assert loss_of(loss="sigmoid", f_divergence_type="js_divergence") != pytest.approx(float(plain))
     assert loss_of(loss="discopop", discopop_tau=0.5) != pytest.approx(float(loss_of(loss="discopop")))
     for flags, flag in (({"loss": "sigmoid,dpo"}, "--loss"), ({"loss": "sigmoid,ipo", "loss_weights": "1"},
-                                                                "--loss-weights"), ({"loss": "ipo,aot"}, "--loss aot")):
+                                                                "--loss-weights")):
         with pytest.raises(InputError) as info:
             TrainConfig(**flags).validate()
         assert str(info.value).startswith(flag) and "\n" not in str(info.value)

@@ -119,6 +119,15 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
                     *(("eval_loss", "eval_rewards/margins", "eval_rewards/chosen", "eval_logps/rejected")
                       if "eval_loss" in want else ())):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
+    # the whole-step pre-pass of aot/aot_unpaired (run/step_statistics.py) reads the file instead of running the
+    # reference, in training and on the held-out set
+    coupled = ("--loss", "sigmoid,aot_unpaired,sft", "--loss-weights", "1,0.5,0.3", *held_out)
+    live_coupled, precomputed_coupled = launch("live_coupled", *coupled), launch("pre_coupled", "--ref-logps", str(out),
+                                                                                 *coupled)
+    assert live_coupled[0]["loss"] != pytest.approx(live[0]["loss"], rel=1e-3)
+    for want, got in zip(live_coupled, precomputed_coupled, strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins", *(("eval_loss",) if "eval_loss" in want else ())):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
 
     # 3. a file that does not fit the run is refused before any process group, in one line
     base = ["--output-dir", str(tmp_path / "refused"), *cache, *BUDGET, *SMALL_RUN]

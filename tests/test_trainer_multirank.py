@@ -79,16 +79,52 @@ def test_trajectory_independent_of_layout(tmp_path):
 @pytest.mark.multirank
 def test_combined_trl_losses_independent_of_layout(tmp_path):
     """A weighted combination of TRL 1.16 losses (model/loss_family.py) gives one trajectory on 1 rank and on 2 ranks
-    with sequence parallelism and small rows (the layouts furthest apart)."""
+    with sequence parallelism and small rows (the layouts furthest apart), padded, and with 200-token rows."""
     combo = ("--loss", "sigmoid,bco_pair,ipo,nca_pair,apo_zero", "--loss-weights", "1,0.5,0.25,0.5,0.3")
     reference = launch(tmp_path, "w1_combo", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing", *combo)
-    sp2 = launch(tmp_path, "w2_sp2_combo", 2, "--max-tokens-per-row", "100", "--sequence-parallel-size", "2", *combo)
+    layouts = {
+        "w2_sp2_small_rows": launch(tmp_path, "w2_sp2_combo", 2, "--max-tokens-per-row", "100",
+                                    "--sequence-parallel-size", "2", *combo),
+        "w2_padded": launch(tmp_path, "w2_padded_combo", 2, "--no-packing", "--micro-batch-pairs", "2", *combo),
+        "w2_rows_200": launch(tmp_path, "w2_200_combo", 2, "--max-tokens-per-row", "200", *combo),
+    }
     plain = launch(tmp_path, "w1_sigmoid", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing")
     assert reference[0]["loss"] != pytest.approx(plain[0]["loss"], rel=1e-3)  # --loss/--loss-weights reached the loss
     assert reference[-1]["loss"] < reference[0]["loss"]
-    for ref, got in zip(reference, sp2, strict=True):
-        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
-            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, got[key], ref[key])
+    assert_same_trajectory(reference, layouts)
+
+
+def assert_same_trajectory(reference: list[dict], layouts: dict[str, list[dict]], eval_keys=()) -> None:
+    """Every layout's 3 steps (and held-out figures) equal the reference's within the trajectory test's bounds."""
+    for name, records in layouts.items():
+        for ref, got in zip(reference, records, strict=True):
+            assert got["pairs"] == ref["pairs"] and got["tokens"] == ref["tokens"], name
+            for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, got[key], ref[key])
+            for key in eval_keys if "eval_loss" in ref else ():
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (name, key, got[key], ref[key])
+
+
+@pytest.mark.multirank
+def test_batch_coupled_losses_independent_of_layout(tmp_path):
+    """aot, aot_unpaired and sft sort or token-average over the whole optimizer step (run/step_statistics.py), and
+    the held-out figures over the whole held-out set: one big row on 1 rank, and on 2 ranks S=2 with 100-token rows,
+    padded micro-batches of 2 pairs, and 200-token rows, give one trajectory.  TRL's per-micro-batch statistic would
+    not (the rows of a step differ in every layout)."""
+    combo = ("--loss", "sigmoid,aot,aot_unpaired,sft", "--loss-weights", "1,0.5,0.7,0.3", "--label-smoothing", "0.1",
+             *HELD_OUT)
+    reference = launch(tmp_path, "w1_one_row", 1, "--max-tokens-per-row", "4096", "--no-prefix-sharing", *combo)
+    layouts = {
+        "w2_sp2_small_rows": launch(tmp_path, "w2_sp2", 2, "--max-tokens-per-row", "100", "--sequence-parallel-size",
+                                    "2", *combo),
+        "w2_padded": launch(tmp_path, "w2_padded", 2, "--no-packing", "--micro-batch-pairs", "2", *combo),
+        "w2_rows_200": launch(tmp_path, "w2_200", 2, "--max-tokens-per-row", "200", *combo),
+    }
+    assert all(r["rows_per_rank"] == 1 for r in reference)  # the whole step in one row: TRL's batch is the step
+    assert all(r["rows_per_rank"] > 1 for name in ("w2_sp2_small_rows", "w2_padded") for r in layouts[name])
+    assert ["eval_loss" in r for r in reference] == [False, True, True]
+    assert reference[-1]["loss"] < reference[0]["loss"] and reference[-1]["eval_loss"] < reference[1]["eval_loss"]
+    assert_same_trajectory(reference, layouts, EVAL_KEYS)
 
 
 @pytest.mark.multirank

@@ -9,8 +9,9 @@ the step's pairs (:func:`losses.global_normalized_loss`) equals TRL's
 ``n_w, n_l`` completion token counts, ``sig`` the logistic function.
 
 Batch-coupled losses (``aot``, ``aot_unpaired`` sort over the batch; ``sft`` is a
-token mean over the batch) use the pairs they are given here; TRL 1.16 keeps no BCO
-running mean (``bco_pair`` is a plain per-pair loss).
+token mean over the batch) are per-pair terms of :mod:`.coupled_losses`, matched against the
+whole step's statistic (``partners``) or, without one, against the pairs given here as TRL does;
+TRL 1.16 keeps no BCO running mean (``bco_pair`` is a plain per-pair loss).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from .coupled_losses import COUPLED_LOSSES, PairPartners, batch_partners, coupled_loss
 from .logps import SequenceLogps
 
 TRL_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -84,13 +86,14 @@ def f_divergence_score(logratios: torch.Tensor, cfg: FamilyConfig) -> torch.Tens
     return (torch.exp(torch.clamp((alpha - 1.0) * logratios, max=80.0)) - 1.0) / (alpha - 1.0)
 
 
-def _smoothed(z: torch.Tensor, eps: float) -> torch.Tensor:
-    return -F.logsigmoid(z) * (1 - eps) - F.logsigmoid(-z) * eps
-
-
-def one_loss(name: str, policy: SequenceLogps, reference: SequenceLogps, cfg: FamilyConfig) -> torch.Tensor:
-    """Per-pair loss [P] of one TRL loss type (equations in the branch comments)."""
+def one_loss(name: str, policy: SequenceLogps, reference: SequenceLogps, cfg: FamilyConfig,
+             partners: PairPartners | None = None) -> torch.Tensor:
+    """Per-pair loss [P] of one TRL loss type (equations in the branch comments); a batch-coupled one is matched
+    against ``partners`` (the whole step's statistic), else against the pairs given."""
     b, eps = cfg.beta, cfg.label_smoothing
+    if name in COUPLED_LOSSES:  # aot: smoothed sig of b (sort(pc - pr) - sort(rc - rr)); aot_unpaired: of
+        # b (sort(c) - sort(r)); sft: -sum(chosen token log-probs) / sum(n_w), as a per-pair share
+        return coupled_loss(name, policy, reference, partners or batch_partners(policy, reference), b, eps)
     pc, pr, rc, rr = policy.chosen_logps, policy.rejected_logps, reference.chosen_logps, reference.rejected_logps
     nw, nl = policy.chosen_tokens.clamp_min(1), policy.rejected_tokens.clamp_min(1)
     c, r = pc - rc, pr - rr
@@ -114,10 +117,6 @@ def one_loss(name: str, policy: SequenceLogps, reference: SequenceLogps, cfg: Fa
         return -F.logsigmoid(b * c) - F.logsigmoid(-b * r)
     if name == "sppo_hard":  # (c - 1/(2b))^2 + (r + 1/(2b))^2
         return (c - 0.5 / b) ** 2 + (r + 0.5 / b) ** 2
-    if name == "aot":  # smoothed sigmoid of b (sort(pc - pr) - sort(rc - rr)), sorted over the batch
-        return _smoothed(b * (torch.sort(pc - pr).values - torch.sort(rc - rr).values), eps)
-    if name == "aot_unpaired":  # smoothed sigmoid of b (sort(c) - sort(r))
-        return _smoothed(b * (torch.sort(c).values - torch.sort(r).values), eps)
     if name == "apo_zero":  # 1 - sig(b c) + sig(b r)
         return 1 - torch.sigmoid(b * c) + torch.sigmoid(b * r)
     if name == "apo_down":  # sig(b c) + 1 - sig(b (c - r))
@@ -126,17 +125,15 @@ def one_loss(name: str, policy: SequenceLogps, reference: SequenceLogps, cfg: Fa
         z = b * d
         m = torch.sigmoid(z / cfg.discopop_tau)
         return -F.logsigmoid(z) * (1 - m) + torch.exp(-z) * m
-    if name == "sft":  # -sum(chosen token log-probs) / sum(n_w), as a per-pair share of the batch's token mean
-        return -policy.unweighted_logps[0::2] * (pc.numel() / policy.chosen_tokens.sum().clamp_min(1))  # no LD
     if name == "sigmoid_norm":  # -log sig(b (s(c)/n_w - s(r)/n_l))
         return -F.logsigmoid(b * (sc / nw - sr / nl))
     raise ValueError(f"unknown loss {name!r}")
 
 
-def family_pair_losses(policy: SequenceLogps, reference: SequenceLogps,
-                       cfg: FamilyConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def family_pair_losses(policy: SequenceLogps, reference: SequenceLogps, cfg: FamilyConfig,
+                       partners: PairPartners | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``sum_k w_k loss_k`` per pair [P], and TRL's per-pair metrics (rewards = b * log-ratio, sums)."""
-    losses = sum(w * one_loss(name, policy, reference, cfg) for name, w in zip(cfg.loss_types, cfg.weights))
+    losses = sum(w * one_loss(name, policy, reference, cfg, partners) for name, w in zip(cfg.loss_types, cfg.weights))
     chosen_rewards = cfg.beta * (policy.chosen_logps - reference.chosen_logps).detach()
     rejected_rewards = cfg.beta * (policy.rejected_logps - reference.rejected_logps).detach()
     metrics = {

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from .coupled_losses import PairPartners
 from .logps import SequenceLogps
 from .loss_family import FamilyConfig, family_pair_losses
 from .token_weights import TokenWeighting, check_token_weighting, wpo_pair_weights
@@ -101,9 +102,12 @@ def _smoothed_sigmoid(scaled: torch.Tensor, label_smoothing: float) -> torch.Ten
     return -F.logsigmoid(scaled) * (1 - label_smoothing) - F.logsigmoid(-scaled) * label_smoothing
 
 
-def pair_losses(policy: SequenceLogps, reference: SequenceLogps | None,
-                cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def pair_losses(policy: SequenceLogps, reference: SequenceLogps | None, cfg: LossConfig,
+                partners: PairPartners | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-pair losses [P] (differentiable) and per-pair metrics [P] (detached, TRL names).
+
+    ``partners``: the whole step's statistic for this row's pairs (batch-coupled losses, run/step_statistics.py);
+    without it a batch-coupled loss couples the pairs given.
 
     ``logps/*`` and ``rewards/*`` use the log-probs the loss sees: per-token averages
     for IPO and SimPO, sums otherwise (as TRL reports them).
@@ -112,7 +116,7 @@ def pair_losses(policy: SequenceLogps, reference: SequenceLogps | None,
     if family is not None:
         if reference is None:
             raise ValueError(f"loss {cfg.loss_type!r} needs reference log-probs")
-        losses, metrics = family_pair_losses(policy, reference, family)
+        losses, metrics = family_pair_losses(policy, reference, family, partners)
         return _with_logits_and_rpo(losses, metrics, policy, cfg)
     normalized = cfg.loss_type in LENGTH_NORMALIZED
     chosen, rejected = _chosen_rejected(policy, normalized)

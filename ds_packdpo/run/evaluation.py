@@ -9,7 +9,9 @@ fewer would hang the others).  Evaluating runs those rows through the run's own
 are the held-out pairs, so packing or padding, sequence parallelism, a precomputed
 reference and whatever the run does to the reference apply unchanged.  The figures are
 TRL's with the ``eval_`` prefix, summed over every rank in fp64 and divided by the
-held-out pair count: they do not depend on the layout.
+held-out pair count: they do not depend on the layout.  The batch-coupled losses (``aot``,
+``aot_unpaired``, ``sft``) sort or token-average over the whole held-out set (one collective,
+:mod:`.step_statistics`), where TRL does it per evaluation batch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..model.guard import evaluating
 from ..model.losses import metric_means, metric_sums, pair_losses
 from .metrics import add_sums, sum_over_ranks
 from .reference import PrecomputedReference, reference_fingerprint
+from .step_statistics import coupled_losses, slot_index, slots_of, step_statistic
 
 PREFIX = "eval_"
 
@@ -64,11 +67,17 @@ def evaluate(run) -> dict:
     sums: dict = {}
     started = time.perf_counter()
     with torch.no_grad(), evaluating(run.policy):
+        batches, references, policies = [], [], []
         for row in held.plan.ranks[layout.dp_rank]:
-            batch = view.row_batch(row)
-            reference = view.reference_logps(batch)
-            policy = view.forward_logps(view.policy, batch)
-            losses, per_pair = pair_losses(policy, reference, run.setup.loss_cfg)
+            batches.append(view.row_batch(row))
+            references.append(view.reference_logps(batches[-1]))
+            policies.append(view.forward_logps(view.policy, batches[-1]))
+        statistic, slots = None, slot_index(held.plan)
+        if coupled_losses(run.setup.loss_cfg):  # sorted / token-averaged over the whole held-out set
+            statistic = step_statistic(held.plan, batches, policies, references, layout, run.device)
+        for batch, policy, reference in zip(batches, policies, references):
+            partners = statistic.partners(slots_of(slots, batch)) if statistic is not None else None
+            losses, per_pair = pair_losses(policy, reference, run.setup.loss_cfg, partners)
             add_sums(sums, {**metric_sums(per_pair, policy), "loss_sum": losses.sum()}, counted)
     totals = sum_over_ranks(sums, run.device)
     figures = {"loss": totals.pop("loss_sum") / max(totals["pairs"], 1.0), **metric_means(totals),

@@ -33,6 +33,7 @@ from .metrics import MetricsWriter, add_sums, sum_over_ranks
 from .process_group import close_process_group, is_collective_failure
 from .reference_sync import ReferenceSync
 from .schedule import Schedule
+from .step_statistics import CoupledStep
 from .timing import StepTimer, peak_memory_mb, throughput_meter
 
 STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens", "prompt_tokens_shared")
@@ -72,12 +73,13 @@ class DPOTrainer:
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         lr = self.policy.get_lr()[0] if self.policy.get_lr() else self.cfg.lr
         counted = float(self.layout.counts_metrics)
-        for i, row in enumerate(rows):
-            batch = self.run.row_batch(row)
-            ref = self.run.reference_logps(batch)
+        batches = [self.run.row_batch(row) for row in rows]
+        step = CoupledStep(self.run, plan, batches)  # the whole step's statistic, when a batch-coupled loss needs it
+        for i, batch in enumerate(batches):
+            ref = step.reference_logps(i)
             self.policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
             pol = self.run.forward_logps(self.policy, batch)
-            losses, per_pair = pair_losses(pol, ref, self.run.setup.loss_cfg)
+            losses, per_pair = pair_losses(pol, ref, self.run.setup.loss_cfg, step.partners(i))
             if inject_nan:
                 losses = losses * float("nan")
             bad |= ~torch.isfinite(losses.detach()).all()
