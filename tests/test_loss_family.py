@@ -16,7 +16,7 @@ from ds_packdpo.model.build import build_model
 from ds_packdpo.model.collate import collate_grouped, collate_packed
 from ds_packdpo.model.logps import SequenceLogps, forward_logps
 from ds_packdpo.model.loss_family import TRL_LOSS_TYPES, FamilyConfig, family_pair_losses
-from ds_packdpo.model.losses import LossConfig, global_normalized_loss, pair_losses
+from ds_packdpo.model.losses import LossConfig, global_normalized_loss, metric_means, metric_sums, pair_losses
 
 from test_token_weights import VOCAB, grouped_pairs
 
@@ -162,14 +162,15 @@ def full_logits_head(model):
         targets = labels[:, 1:]
         log_probs = logp.gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1) * (targets != -100)
         zeros = torch.zeros_like(log_probs)
-        return SimpleNamespace(log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(),
-                               log_sum_sq_probs=torch.logsumexp(2 * logp, -1))
+        return SimpleNamespace(log_probs=log_probs, entropy=-(logp.exp() * logp).sum(-1), mean_logits=zeros,
+                               is_top1=logits.argmax(-1) == targets, log_sum_sq_probs=torch.logsumexp(2 * logp, -1))
 
     return call
 
 
-def trl_model_loss(cfg: LossConfig, policy, reference, pairs):
-    """TRL 1.16's ``_compute_loss`` with its reference run live (``compute_ref_log_probs``' LD branch too)."""
+def trl_model_loss(cfg: LossConfig, policy, reference, pairs, metrics=None):
+    """TRL 1.16's ``_compute_loss`` with its reference run live (``compute_ref_log_probs``' LD branch too); TRL's
+    logged metrics land in ``metrics`` (``metrics["train"][name]``) when given."""
     accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
     family = cfg.family or FamilyConfig((cfg.loss_type,), beta=cfg.beta, label_smoothing=cfg.label_smoothing)
     stand_in = torch.nn.Module()  # what TRL asks of its model here: training, no adapters, no checkpointing
@@ -181,7 +182,8 @@ def trl_model_loss(cfg: LossConfig, policy, reference, pairs):
         loss_types=list(family.loss_types), loss_weights=list(family.weights), beta=cfg.beta,
         label_smoothing=cfg.label_smoothing, use_weighting=cfg.use_weighting,
         args=SimpleNamespace(discopop_tau=cfg.discopop_tau, gradient_checkpointing_kwargs=None),
-        _metrics=defaultdict(lambda: defaultdict(list)), _tp_size=1, _total_train_tokens=0)
+        _metrics=defaultdict(lambda: defaultdict(list)) if metrics is None else metrics, _tp_size=1,
+        _total_train_tokens=0)
     return DPOTrainer._compute_loss(trainer, full_logits_head(policy), trl_padded(pairs), False)
 
 
@@ -232,6 +234,47 @@ def test_ld_alpha_and_use_weighting_match_trl_on_a_model(cfg):
             abs(float(loss) / float(expected) - 1), float((got - want).norm() / want.norm()))
     plain = LossConfig(cfg.loss_type, beta=cfg.beta, label_smoothing=cfg.label_smoothing, loss_weights=cfg.loss_weights)
     assert float(trl_model_loss(plain, policy, reference, pairs)) != pytest.approx(float(expected), rel=1e-4)
+
+
+def greedy(model, prompt: list[int], length: int) -> list[int]:
+    """``length`` tokens of ``model``'s greedy continuation of ``prompt``: completions whose every target is the
+    argmax."""
+    model.config._attn_implementation = "sdpa"
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(length):
+            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_entropy_and_token_accuracy_match_trl():
+    """TRL's ``entropy`` (mean over every completion token) and ``mean_token_accuracy`` (share of chosen completion
+    tokens whose target is the argmax), from the policy's lean chunks of packed and grouped rows and its plain
+    logits, against TRL's _compute_loss on the padded batch with the full logits; with LD-DPO on, which must not
+    touch them.  The reference's forward does not compute them."""
+    cfg = LossConfig("sigmoid", ld_alpha=0.5)
+    policy = build_model(None, "tiny", VOCAB, torch.float32, "sdpa_varlen", seed=0)
+    reference = build_model(None, "tiny", VOCAB, torch.float32, "sdpa_varlen", seed=1)
+    pairs = grouped_pairs()
+    pairs.append({**pairs[2], "chosen_ids": greedy(policy, pairs[2]["prompt_ids"], 6)})  # argmax hits: accuracy > 0
+    logged = defaultdict(lambda: defaultdict(list))
+    with torch.no_grad():
+        trl_model_loss(cfg, policy, reference, pairs, logged)
+    want = {name: logged["train"][name][0] for name in ("entropy", "mean_token_accuracy")}
+    assert 0 < want["mean_token_accuracy"] < 1 and want["entropy"] > 0, want
+    print("TRL metrics", want)
+    for collate in (collate_packed, collate_grouped):
+        batch = collate(pairs, list(range(len(pairs))), 0)
+        policy.config._attn_implementation = attn_implementation("sdpa_varlen")
+        with torch.no_grad():
+            for impl in ("lean", "plain"):
+                pol = forward_logps(policy, batch, "sdpa_varlen", 4, impl, cfg.token_weighting(policy=True))
+                _, per_pair = pair_losses(pol, pol, cfg)
+                got = metric_means(metric_sums(per_pair, pol))
+                for name, value in want.items():
+                    assert got[name] == pytest.approx(value, rel=1e-6), (collate.__name__, impl, name)
+            ref = forward_logps(reference, batch, "sdpa_varlen", 4, "lean", cfg.token_weighting(policy=False))
+            assert ref.entropy_sum is None and ref.top1_sum is None
 
 
 def test_hinge_with_use_weighting_matches_trl_forward():

@@ -99,7 +99,7 @@ def assert_same_trajectory(reference: list[dict], layouts: dict[str, list[dict]]
     for name, records in layouts.items():
         for ref, got in zip(reference, records, strict=True):
             assert got["pairs"] == ref["pairs"] and got["tokens"] == ref["tokens"], name
-            for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+            for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "entropy", "mean_token_accuracy"):
                 assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, got[key], ref[key])
             for key in eval_keys if "eval_loss" in ref else ():
                 assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (name, key, got[key], ref[key])

@@ -60,6 +60,8 @@ class SequenceLogps:
     logits_sum: torch.Tensor  # [S] float64, sum over completion tokens of logits.mean(-1) (detached)
     plain_logps: torch.Tensor | None = None  # [S] float64, the unweighted sum when ``logps`` is LD-weighted
     wpo_sum: torch.Tensor | None = None  # [S] float64, sum of log p_t - log sum_v p_v^2 (WPO; detached)
+    entropy_sum: torch.Tensor | None = None  # [S] float64, sum over completion tokens of the entropy (detached)
+    top1_sum: torch.Tensor | None = None  # [S] float64, completion tokens whose target is the argmax (detached)
 
     @property
     def unweighted_logps(self) -> torch.Tensor:
@@ -96,10 +98,11 @@ class SequenceLogps:
         return self.logits_sum[1::2]
 
 
-def _target_logps(logits: torch.Tensor, targets: torch.Tensor, squares: bool = False):
+def _target_logps(logits: torch.Tensor, targets: torch.Tensor, squares: bool = False, stats: bool = False):
     """(fp64 log-prob of each target, fp32 logsumexp for the backward, fp32 vocab-mean logit, fp64
-    ``log sum_v p_v^2`` with ``squares`` else None) of fp32 logits ``[C, V]``, which it overwrites (the exp is
-    taken in place: one ``[C, V]`` buffer per chunk, not two).
+    ``log sum_v p_v^2`` with ``squares`` else None, fp64 ``[C, 2]`` entropy and target-is-argmax with ``stats``
+    else None) of fp32 logits ``[C, V]``, which it overwrites (the exp is taken in place: one ``[C, V]`` buffer
+    per chunk, not two).
 
     The row max and the target logit are exact in fp64; the sum of ``exp(logit - max)`` stays fp32 (it lies in
     [1, V], relative error ~1e-8) and its log is taken in fp64.  Rounding the ~10-nat result to fp32 per token
@@ -107,22 +110,41 @@ def _target_logps(logits: torch.Tensor, targets: torch.Tensor, squares: bool = F
     fp64 log_softmax); this costs 1.3e-6 and 1.5e-6 there, and no ``[C, V]`` tensor is ever fp64.
     WPO's ``log sum_v p_v^2 = log sum e^2 - 2 log sum e`` with ``e = exp(logit - max)`` (the max cancels): one
     more reduction of the same buffer (a norm: no second ``[C, V]`` tensor).
+    TRL's ``entropy`` and ``mean_token_accuracy`` metrics (``stats``, the policy's forward only): the entropy is
+    ``log sum e - sum(e log e) / sum e`` (``xlogy``: one temporary ``[C, V]`` tensor, forward only, no gradient),
+    the argmax comes with the row max.
     """
     target = logits.gather(1, targets[:, None]).squeeze(1).double()
     mean_logit = logits.mean(dim=-1)
-    peak = logits.max(dim=-1, keepdim=True).values
+    peak, top = logits.max(dim=-1, keepdim=True)
     shifted = logits.sub_(peak).exp_()
-    log_total = shifted.sum(dim=-1).double().log_()
+    total = shifted.sum(dim=-1).double()
+    log_total = total.log()
     logsumexp = peak.squeeze(1).double() + log_total
-    log_sum_sq = None
+    log_sum_sq = token_stats = None
     if squares:
         log_sum_sq = torch.linalg.vector_norm(shifted, dim=-1).double().log_().mul_(2) - 2 * log_total
-    return target - logsumexp, logsumexp.float(), mean_logit, log_sum_sq
+    if stats:
+        entropy = log_total - torch.special.xlogy(shifted, shifted).sum(dim=-1).double() / total
+        token_stats = torch.stack([entropy, (top.squeeze(1) == targets).double()], dim=1)
+    return target - logsumexp, logsumexp.float(), mean_logit, log_sum_sq, token_stats
 
 
 def _squares_buffer(like: torch.Tensor, count: int, squares: bool) -> torch.Tensor | None:
     """The fp64 per-token ``log sum_v p_v^2`` of a kernel asked for WPO's statistic, else None."""
     return like.new_empty(count, dtype=torch.float64) if squares else None
+
+
+def _stats_buffer(like: torch.Tensor, count: int, stats: bool) -> torch.Tensor | None:
+    """The fp64 per-token ``[entropy, target is the argmax]`` of a kernel asked for them, else None."""
+    return like.new_empty(count, 2, dtype=torch.float64) if stats else None
+
+
+def _fill_chunk(outputs, span, results) -> None:
+    """Writes one chunk's :func:`_target_logps` results into the kernel's per-token buffers (None: not asked)."""
+    for buffer, values in zip(outputs, results):
+        if buffer is not None:
+            buffer[span] = values
 
 
 class _LabelLogProb(torch.autograd.Function):
@@ -134,25 +156,24 @@ class _LabelLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits_2d, rows, targets, chunk_tokens, squares=False):
+    def forward(ctx, logits_2d, rows, targets, chunk_tokens, squares=False, stats=False):
         count = rows.numel()
         token_logps = logits_2d.new_empty(count, dtype=torch.float64)
         logsumexp = logits_2d.new_empty(count, dtype=torch.float32)
         mean_logit = logits_2d.new_empty(count, dtype=torch.float32)
-        log_sum_sq = _squares_buffer(logits_2d, count, squares)
+        extras = (_squares_buffer(logits_2d, count, squares), _stats_buffer(logits_2d, count, stats))
         for start in range(0, count, chunk_tokens):
             span = slice(start, start + chunk_tokens)
             chunk = logits_2d.index_select(0, rows[span]).float()
-            token_logps[span], logsumexp[span], mean_logit[span], sq = _target_logps(chunk, targets[span], squares)
-            if squares:
-                log_sum_sq[span] = sq
+            _fill_chunk((token_logps, logsumexp, mean_logit, *extras), span,
+                        _target_logps(chunk, targets[span], squares, stats))
         ctx.save_for_backward(logits_2d, rows, targets, logsumexp)
         ctx.chunk_tokens = chunk_tokens
-        ctx.mark_non_differentiable(*(t for t in (mean_logit, log_sum_sq) if t is not None))
-        return token_logps, mean_logit, log_sum_sq
+        ctx.mark_non_differentiable(*(t for t in (mean_logit, *extras) if t is not None))
+        return token_logps, mean_logit, *extras
 
     @staticmethod
-    def backward(ctx, grad_token_logps, _grad_mean_logit, _grad_log_sum_sq):
+    def backward(ctx, grad_token_logps, _grad_mean_logit, _grad_log_sum_sq, _grad_stats):
         logits_2d, rows, targets, logsumexp = ctx.saved_tensors
         grad = torch.zeros_like(logits_2d)
         grad_token_logps = grad_token_logps.float()
@@ -162,7 +183,7 @@ class _LabelLogProb(torch.autograd.Function):
             chunk_grad = logits_2d.index_select(0, rows[span]).float().sub_(logsumexp[span, None]).exp_().mul_(-g)
             chunk_grad.scatter_add_(1, targets[span, None], g)
             grad.index_add_(0, rows[span], chunk_grad.to(grad.dtype))  # a prompt's last row is scored twice when shared
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def completion_token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 4096):
@@ -173,33 +194,36 @@ def completion_token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tok
     """
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
-    token_logps, mean_logit, _ = _plain_logps_at(logits, rows, flat_labels[rows], chunk_tokens)
+    token_logps, mean_logit, _, _ = _plain_logps_at(logits, rows, flat_labels[rows], chunk_tokens)
     return rows, token_logps, mean_logit
 
 
 def _plain_logps_at(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                    squares: bool = False):
-    """(log-probs, mean logits, ``log sum_v p_v^2`` or None) of ``targets`` at the flat positions ``rows`` of
-    ``logits`` [..., V] (a row may repeat)."""
+                    squares: bool = False, stats: bool = False):
+    """(log-probs, mean logits, ``log sum_v p_v^2`` or None, ``[entropy, is top-1]`` or None) of ``targets`` at the
+    flat positions ``rows`` of ``logits`` [..., V] (a row may repeat)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _LabelLogProb.apply(logits.reshape(-1, logits.shape[-1]), rows, targets, chunk_tokens, squares)
+    return _LabelLogProb.apply(logits.reshape(-1, logits.shape[-1]), rows, targets, chunk_tokens, squares, stats)
 
 
-def _per_sequence(seq, token_logps, mean_logit, num_sequences: int, log_sum_sq=None) -> SequenceLogps:
+def _per_sequence(seq, token_logps, mean_logit, num_sequences: int, log_sum_sq=None, token_stats=None) -> SequenceLogps:
     """Sums per canonical sequence (``seq``: the sequence of each scored token), accumulated and returned in fp64:
     ``index_add`` adds token by token, and in fp32 a 4,000-nat sum drifted by up to 1.5e-3 nats that way (the
     layouts add a sequence's tokens in different orders); rounding the fp64 sum to fp32 afterwards still cost
     2.6e-4 nats at 512 tokens.  The gradient flows back to the fp32 token log-probs through the cast.  With
-    ``log_sum_sq`` (WPO) also the detached sums of ``log p_t - log sum_v p_v^2``."""
+    ``log_sum_sq`` (WPO) also the detached sums of ``log p_t - log sum_v p_v^2``; with ``token_stats`` those of the
+    entropy and of the argmax hits."""
     zeros = torch.zeros(num_sequences, dtype=torch.float64, device=token_logps.device)
 
     def summed(values: torch.Tensor) -> torch.Tensor:
         return zeros.index_add(0, seq, values.double())
 
     wpo_sum = None if log_sum_sq is None else summed(token_logps.detach().double() - log_sum_sq)
+    entropy_sum, top1_sum = (None, None) if token_stats is None else (summed(token_stats[:, 0]),
+                                                                      summed(token_stats[:, 1]))
     return SequenceLogps(logps=summed(token_logps), tokens=summed(torch.ones_like(token_logps)),
-                         logits_sum=summed(mean_logit), wpo_sum=wpo_sum)
+                         logits_sum=summed(mean_logit), wpo_sum=wpo_sum, entropy_sum=entropy_sum, top1_sum=top1_sum)
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.Tensor, num_sequences: int,
@@ -288,24 +312,23 @@ class _LeanLabelLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, bias, low_in, low_weight, head, low_head, spans, softcap,
-                squares=False):
+                squares=False, stats=False):
         count = hidden.shape[0]
         token_logps = hidden.new_empty(count, dtype=torch.float64)
         logsumexp = hidden.new_empty(count, dtype=torch.float32)
         mean_logit = hidden.new_empty(count, dtype=torch.float32)
-        log_sum_sq = _squares_buffer(hidden, count, squares)
+        extras = (_squares_buffer(hidden, count, squares), _stats_buffer(hidden, count, stats))
         for span in spans:
             logits, _ = _capped(_chunk_logits(hidden[span], weight, bias, low_in, low_weight, span), softcap)
-            token_logps[span], logsumexp[span], mean_logit[span], sq = _target_logps(logits, targets[span], squares)
-            if squares:
-                log_sum_sq[span] = sq
+            _fill_chunk((token_logps, logsumexp, mean_logit, *extras), span,
+                        _target_logps(logits, targets[span], squares, stats))
         ctx.save_for_backward(hidden, targets, logsumexp, low_in)
         ctx.head, ctx.low_head, ctx.spans, ctx.softcap = head, low_head, spans, softcap
-        ctx.mark_non_differentiable(*(t for t in (mean_logit, log_sum_sq) if t is not None))
-        return token_logps, mean_logit, log_sum_sq
+        ctx.mark_non_differentiable(*(t for t in (mean_logit, *extras) if t is not None))
+        return token_logps, mean_logit, *extras
 
     @staticmethod
-    def backward(ctx, grad_token_logps, _grad_mean_logit, _grad_log_sum_sq):
+    def backward(ctx, grad_token_logps, _grad_mean_logit, _grad_log_sum_sq, _grad_stats):
         hidden, targets, logsumexp, low_in = ctx.saved_tensors
         want_hidden, _, want_weight, want_bias, want_low_in, want_low_weight = ctx.needs_input_grad[:6]
         grad_token_logps = grad_token_logps.float()
@@ -335,7 +358,8 @@ class _LeanLabelLogProb(torch.autograd.Function):
                 grad_low_in[span] = grad_logits @ low_weight
             if want_low_weight:
                 grad_low_weight.addmm_(grad_logits.T, low_in[span])
-        return grad_hidden, None, grad_weight, grad_bias, grad_low_in, grad_low_weight, None, None, None, None, None
+        return (grad_hidden, None, grad_weight, grad_bias, grad_low_in, grad_low_weight, None, None, None, None, None,
+                None)
 
 
 def _chunk_logits(chunk, weight, bias, low_in, low_weight, span) -> torch.Tensor:
@@ -353,13 +377,14 @@ def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.
     its output soft-capped at ``softcap`` first, as Gemma's forward does."""
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
-    token_logps, mean_logit, _ = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens, softcap)
+    token_logps, mean_logit, _, _ = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens, softcap)
     return rows, token_logps, mean_logit
 
 
 def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
-                   chunk_tokens: int, softcap: float | None = None, squares: bool = False):
-    """(log-probs, mean logits, ``log sum_v p_v^2`` or None) of ``targets`` from the hidden states at the flat
+                   chunk_tokens: int, softcap: float | None = None, squares: bool = False, stats: bool = False):
+    """(log-probs, mean logits, ``log sum_v p_v^2`` or None, ``[entropy, is top-1]`` or None) of ``targets`` from
+    the hidden states at the flat
     positions ``rows`` (a row may repeat: its gradient is summed by ``index_select``'s backward), the logits
     soft-capped at ``softcap``."""
     if chunk_tokens < 1:
@@ -370,7 +395,7 @@ def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tens
     if adapter is None:
         return _as_head_call(
             base, lambda x, y: _LeanLabelLogProb.apply(x, y, base.weight, base.bias, None, None, base, None, spans,
-                                                       softcap, squares),
+                                                       softcap, squares, stats),
             selected, targets)
     low_in = adapter.down(adapter.dropout(selected)) * adapter.scaling
     up = adapter.up
@@ -378,7 +403,7 @@ def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tens
     def with_adapter(x, y, z):  # inside the base head's call: the adapter's up-projection is whole too
         return _as_head_call(up, lambda x2, y2, z2: _LeanLabelLogProb.apply(x2, y2, base.weight, base.bias, z2,
                                                                              up.weight, base, up, spans, softcap,
-                                                                             squares),
+                                                                             squares, stats),
                              x, y, z)
 
     return _as_head_call(base, with_adapter, selected, targets, low_in)
@@ -451,20 +476,24 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str =
                       "kernel does not hold; computing lean log-probs instead", stacklevel=2)
         impl = "lean"
     rows, targets, seq = scored_tokens(batch)
-    squares = weighting.wpo
+    squares, stats = weighting.wpo, weighting.token_stats
     if head is None:
         logits = model(**model_forward_kwargs(batch, attn)).logits
-        token_logps, mean_logit, log_sum_sq = _plain_logps_at(logits, rows, targets, chunk_tokens, squares)
-    elif impl == FUSED:
+        token_logps, mean_logit, log_sum_sq, token_stats = _plain_logps_at(logits, rows, targets, chunk_tokens,
+                                                                           squares, stats)
+    elif impl == FUSED:  # the kernel holds no logits to take an entropy or an argmax from
         hidden = _final_hidden_states(model, batch, attn)
         selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
         # one call of the head module: under ZeRO-3 its weight is gathered once for the row, as the lean path's
         token_logps, mean_logit, log_sum_sq = _as_head_call(
             head, lambda x, y: fused_token_logps(x, y, head.weight, squares), selected, targets)
+        token_stats = None
     else:
-        token_logps, mean_logit, log_sum_sq = _lean_logps_at(_final_hidden_states(model, batch, attn), rows, targets,
-                                                             head, chunk_tokens, final_logit_softcap(model), squares)
-    sums = pair_ordered(_per_sequence(seq, token_logps, mean_logit, batch.num_sequences, log_sum_sq), batch)
+        token_logps, mean_logit, log_sum_sq, token_stats = _lean_logps_at(
+            _final_hidden_states(model, batch, attn), rows, targets, head, chunk_tokens, final_logit_softcap(model),
+            squares, stats)
+    sums = pair_ordered(_per_sequence(seq, token_logps, mean_logit, batch.num_sequences, log_sum_sq, token_stats),
+                        batch)
     if weighting.ld_alpha is None:
         return sums
     return dataclasses.replace(sums, plain_logps=sums.logps, logps=length_desensitized_sums(

@@ -27,6 +27,7 @@ from .token_weights import TokenWeighting, check_token_weighting, wpo_pair_weigh
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")
 LENGTH_NORMALIZED = ("ipo", "simpo")
 REFERENCE_FREE = ("simpo",)
+ENTROPY, TOKEN_ACCURACY = "entropy", "mean_token_accuracy"  # TRL's names; means over completion tokens
 _SMOOTHABLE = ("sigmoid", "robust", "simpo")
 _FAMILY_SMOOTHABLE = ("exo_pair", "robust", "aot", "aot_unpaired")
 
@@ -47,7 +48,7 @@ class LossConfig:
 
     def token_weighting(self, policy: bool) -> TokenWeighting:
         """What the policy's (``policy``) or the reference's forward computes besides the plain sums."""
-        return TokenWeighting(self.ld_alpha, self.use_weighting and policy)
+        return TokenWeighting(self.ld_alpha, self.use_weighting and policy, token_stats=policy)
 
     @property
     def family(self) -> FamilyConfig | None:
@@ -172,11 +173,16 @@ def metric_sums(per_pair_metrics: dict[str, torch.Tensor], policy: SequenceLogps
     """Sums to all-reduce across ranks; :func:`metric_means` turns the global sums into TRL's means.
 
     Per-pair metrics are summed (mean = sum / ``pairs``); ``logits/*`` are summed over
-    completion tokens with their token counts in ``tokens/*`` (mean over tokens, as TRL).
+    completion tokens with their token counts in ``tokens/*`` (mean over tokens, as TRL), and so are TRL's
+    ``entropy`` (over every completion token) and ``mean_token_accuracy`` (over the chosen ones) when the
+    policy's forward gave them (not the fused kernel: it holds no logits).
     """
     sums = {name: values.sum() for name, values in per_pair_metrics.items() if not name.startswith("logits/")}
     sums["logits/chosen"] = policy.chosen_logits_sum.sum()
     sums["logits/rejected"] = policy.rejected_logits_sum.sum()
+    if policy.entropy_sum is not None:
+        sums[ENTROPY] = policy.entropy_sum.sum()
+        sums[TOKEN_ACCURACY] = policy.top1_sum[0::2].sum()
     sums["tokens/chosen"] = policy.chosen_tokens.sum()
     sums["tokens/rejected"] = policy.rejected_tokens.sum()
     sums["pairs"] = torch.tensor(float(policy.chosen_logps.numel()), device=policy.logps.device)
@@ -191,6 +197,10 @@ def metric_means(global_sums: dict[str, torch.Tensor | float]) -> dict[str, floa
     for name, total in totals.items():
         if name.startswith("logits/"):
             means[name] = total / max(totals["tokens/" + name.split("/", 1)[1]], 1.0)
+        elif name == ENTROPY:
+            means[name] = total / max(totals["tokens/chosen"] + totals["tokens/rejected"], 1.0)
+        elif name == TOKEN_ACCURACY:
+            means[name] = total / max(totals["tokens/chosen"], 1.0)
         elif name != "pairs" and not name.startswith("tokens/"):
             means[name] = total / pairs
     return means

@@ -32,10 +32,12 @@ _UNWEIGHTABLE = ("aot", "aot_unpaired", "sft")
 @dataclass(frozen=True)
 class TokenWeighting:
     """What a forward computes beyond the plain per-sequence sums: LD-DPO's weighted sums (``ld_alpha``, None:
-    off) and WPO's statistic (``wpo``: the policy's forward only)."""
+    off), WPO's statistic (``wpo``: the policy's forward only) and the per-token entropy and argmax hits of TRL's
+    ``entropy`` and ``mean_token_accuracy`` metrics (``token_stats``: the policy's forward)."""
 
     ld_alpha: float | None = None
     wpo: bool = False
+    token_stats: bool = False
 
 
 def check_token_weighting(ld_alpha: float | None, use_weighting: bool, loss_types: tuple[str, ...]) -> None:

@@ -258,7 +258,7 @@ class _SumOverGroup(torch.autograd.Function):
 
 def all_reduce_sequence_logps(partial: SequenceLogps, group) -> SequenceLogps:
     """Whole-sequence sums from each rank's partial sums: one collective of 3 x 2P floats (and the LD-weighted and
-    WPO sums when there are: 5 x 2P)."""
+    WPO sums, the policy's entropy and argmax-hit sums, when there are: up to 7 x 2P)."""
     present = [f.name for f in dataclasses.fields(partial) if getattr(partial, f.name) is not None]
     total = _SumOverGroup.apply(torch.stack([getattr(partial, name) for name in present]), group)
     differentiable = ("logps", "plain_logps")
