@@ -16,7 +16,7 @@ hold the core, so it is the steadier figure on a shared machine); the
 subprocesses of both variants alternate ``--repeats`` times, and the report gives
 the medians.
 
-    .venv/bin/python scripts/bench_logps.py --tokens 8192 --vocab 32000 --hidden 512
+    .venv/bin/python scripts/bench_logps.py --tokens 8192 --vocab 32000 --hidden 512 [--token-stats]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def chunk_tokens(args) -> int:
 def child(args) -> dict:
     import torch
 
-    from ds_packdpo.model.logps import _per_sequence, lean_token_logps, sequence_logps
+    from ds_packdpo.model.logps import _lean_logps_at, _per_sequence, _plain_logps_at
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -65,11 +65,15 @@ def child(args) -> dict:
         return hidden, labels, seq_index, int(seq_index.max()) + 1
 
     def stage(hidden, labels, seq_index, sequences):
+        flat = labels.reshape(-1)
+        rows = (flat != -100).nonzero().squeeze(1)
         if args.variant == "plain":
-            seqs = sequence_logps(head(hidden), labels, seq_index, sequences, chunk_tokens(args))
+            token_logps, mean_logit, _, token_stats = _plain_logps_at(head(hidden), rows, flat[rows],
+                                                                      chunk_tokens(args), stats=args.token_stats)
         else:
-            rows, token_logps, mean_logit = lean_token_logps(hidden, labels, head, chunk_tokens(args))
-            seqs = _per_sequence(seq_index.reshape(-1)[rows], token_logps, mean_logit, sequences)
+            token_logps, mean_logit, _, token_stats = _lean_logps_at(hidden, rows, flat[rows], head,
+                                                                     chunk_tokens(args), stats=args.token_stats)
+        seqs = _per_sequence(seq_index.reshape(-1)[rows], token_logps, mean_logit, sequences, token_stats=token_stats)
         (seqs.logps * torch.linspace(-1, 1, sequences)).sum().backward()
         hidden.grad = head.weight.grad = None
 
@@ -95,6 +99,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--sequence-tokens", type=int, default=512)
     parser.add_argument("--chunk-tokens", default="auto", help="a number, or auto (--logps-chunk-tokens auto)")
+    parser.add_argument("--token-stats", action="store_true",
+                        help="also the entropy and argmax hits (TRL's metrics), as the policy's training forward")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     parser.add_argument("--runs", type=int, default=3, help="stages per subprocess (median time)")
     parser.add_argument("--repeats", type=int, default=3, help="subprocesses per variant, alternating")
@@ -104,7 +110,8 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     results = {"plain": [], "lean": []}
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("variant", "repeats")]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+             if k not in ("variant", "repeats", "token_stats")] + (["--token-stats"] if args.token_stats else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
     for _ in range(args.repeats):
         for variant in results:

@@ -111,13 +111,16 @@ def _target_logps(logits: torch.Tensor, targets: torch.Tensor, squares: bool = F
     WPO's ``log sum_v p_v^2 = log sum e^2 - 2 log sum e`` with ``e = exp(logit - max)`` (the max cancels): one
     more reduction of the same buffer (a norm: no second ``[C, V]`` tensor).
     TRL's ``entropy`` and ``mean_token_accuracy`` metrics (``stats``, the policy's forward only): the entropy is
-    ``log sum e - sum(e log e) / sum e`` (``xlogy``: one temporary ``[C, V]`` tensor, forward only, no gradient),
-    the argmax comes with the row max.
+    ``log sum e - sum(e (z - max)) / sum e`` (a copy of ``z - max`` kept through the in-place exp: one temporary
+    ``[C, V]`` tensor, forward only; cheaper than ``xlogy(e, e)``, whose log cost 12% more here), the argmax comes
+    with the row max.
     """
     target = logits.gather(1, targets[:, None]).squeeze(1).double()
     mean_logit = logits.mean(dim=-1)
     peak, top = logits.max(dim=-1, keepdim=True)
-    shifted = logits.sub_(peak).exp_()
+    logits.sub_(peak)
+    centred = logits.clone() if stats else None
+    shifted = logits.exp_()
     total = shifted.sum(dim=-1).double()
     log_total = total.log()
     logsumexp = peak.squeeze(1).double() + log_total
@@ -125,7 +128,7 @@ def _target_logps(logits: torch.Tensor, targets: torch.Tensor, squares: bool = F
     if squares:
         log_sum_sq = torch.linalg.vector_norm(shifted, dim=-1).double().log_().mul_(2) - 2 * log_total
     if stats:
-        entropy = log_total - torch.special.xlogy(shifted, shifted).sum(dim=-1).double() / total
+        entropy = log_total - torch.linalg.vecdot(shifted, centred).double() / total
         token_stats = torch.stack([entropy, (top.squeeze(1) == targets).double()], dim=1)
     return target - logsumexp, logsumexp.float(), mean_logit, log_sum_sq, token_stats
 
