@@ -178,6 +178,9 @@ BAD_CONFIGS = {
     "zero ranks": (lambda d: ["--num-procs", "0"], "--num-procs must be in [1, 65536], got 0"),
     "DeepSpeed stage 7": (lambda d: ["--ds-config", _ds_config(d, json.dumps({"zero_optimization": {"stage": 7}}))],
                           "ds.json: 'zero_optimization.stage': Input should be 0, 1, 2, 3"),
+    # found by the cross-feature audit: refused only once the policy engine existed (after the process group)
+    "reference offload without ZeRO-3": (lambda d: ["--ref-offload", "--sync-ref-model", "--ds-config", "zero2"],
+                                         "--ref-offload needs a ZeRO-3 DeepSpeed config"),
     "DeepSpeed unknown ZeRO key": (
         lambda d: ["--ds-config", _ds_config(d, json.dumps({"zero_optimization": {"stage": 3, "overlap_com": True}}))],
         "'zero_optimization.overlap_com': Extra inputs are not permitted, got True"),

@@ -44,7 +44,7 @@ from ..model.losses import LossConfig
 from ..model.prefix_attention import PREFIX_FLASH
 from .checkpoint import ResumePoint, check_resume, resumes_in_place
 from .engines import (build_evaluated_policy, build_policy, build_reference, fill_ds_config, load_ds_config, load_model,
-                      model_config, reference_model_config, zero_stage)
+                      model_config, reference_ds_config, reference_model_config, zero_stage)
 from .evaluation import HeldOut, held_out_set
 from .layout import ParallelLayout
 from .process_group import init_process_group
@@ -246,6 +246,8 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     schedule = run_schedule(cfg, total_steps(cfg, plan_cfg, prepared))
     ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, int(getattr(hf_config, "hidden_size", 1024)),
                                device_type, schedule)
+    if cfg.ref_offload:  # the reference's own config, so that a stage without parameter offload ends here, not in a rank
+        reference_ds_config(ds_config, offload=True, source=ds_source)
     setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg,
                      schedule)
     if command == "train":

@@ -180,15 +180,17 @@ def validate_ds_config(ds: dict, source: str) -> None:
         raise InputError(f"--ds-config {source}: DeepSpeed refuses it ({first_line(error)})") from None
 
 
-def reference_ds_config(policy_ds: dict, offload: bool) -> dict:
-    """The frozen reference runs forward only: no optimizer, no scheduler, optional parameter offload."""
+def reference_ds_config(policy_ds: dict, offload: bool, source: str | None = None) -> dict:
+    """The frozen reference runs forward only: no optimizer, no scheduler, optional parameter offload (phase one
+    builds it once with --ref-offload, so that a config without ZeRO-3 is refused before any rank starts)."""
     # No monitor either: it would open a second writer (a second wandb run) that never gets an event.
     ref = {k: copy.deepcopy(v) for k, v in policy_ds.items() if k not in ("optimizer", "scheduler", *_MONITOR_KEYS)}
     zero = ref.setdefault("zero_optimization", {"stage": 0})
     zero.pop("offload_optimizer", None)
     if offload:
         if zero_stage(ref) != 3:
-            raise InputError("--ref-offload needs a ZeRO-3 DeepSpeed config (parameter offload is a stage-3 feature)")
+            raise InputError(f"--ref-offload needs a ZeRO-3 DeepSpeed config (parameter offload is a stage-3 feature); "
+                             f"--ds-config {source or 'the run config'} is stage {zero_stage(ref)}")
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     elif zero.get("offload_param", {}).get("device") not in (None, "none"):
         zero.pop("offload_param")  # the policy offloads; the reference keeps the default unless --ref-offload
