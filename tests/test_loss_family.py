@@ -134,6 +134,20 @@ def test_loss_flags_reach_the_loss_and_change_it():
         with pytest.raises(InputError) as info:
             TrainConfig(**flags).validate()
         assert str(info.value).startswith(flag) and "\n" not in str(info.value)
+    # a parameter no loss of the run reads is refused, on the family path and the plain one (the audit found them
+    # accepted and ignored: the same loss, to the last bit, with and without them)
+    assert loss_of(loss="sigmoid", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5) != \
+        pytest.approx(float(loss_of(loss="sigmoid", f_divergence_type="alpha_divergence")))
+    for flags, flag, why in (({"f_alpha_divergence_coef": 0.5, "f_divergence_type": "js_divergence"},
+                              "--f-alpha-divergence-coef", "with --f-divergence-type js_divergence"),
+                             ({"f_alpha_divergence_coef": 0.5}, "--f-alpha-divergence-coef", "reverse_kl"),
+                             ({"loss": "sigmoid,bco_pair", "discopop_tau": 0.2}, "--discopop-tau",
+                              "with --loss sigmoid,bco_pair (only --loss discopop uses it)"),
+                             ({"discopop_tau": 0.2}, "--discopop-tau", "--loss sigmoid"),
+                             ({"loss": "ipo", "simpo_gamma": 1.0}, "--simpo-gamma", "only --loss simpo uses it")):
+        with pytest.raises(InputError) as info:
+            TrainConfig(**flags).loss_config()
+        assert str(info.value).startswith(flag) and why in str(info.value) and "\n" not in str(info.value)
 
 
 # ----------------------------------------------------------------------------- LD-DPO and WPO on a model

@@ -66,6 +66,7 @@ class LossConfig:
 
     def validate(self) -> None:
         check_token_weighting(self.ld_alpha, self.use_weighting, tuple(self.loss_type.split(",")))
+        self._check_parameters_used()
         family = self.family
         if family is not None:
             if "simpo" in family.loss_types:
@@ -91,6 +92,23 @@ class LossConfig:
             raise InputError(f"--simpo-gamma must be finite, got {self.simpo_gamma}")
         if not (math.isfinite(self.rpo_alpha) and self.rpo_alpha >= 0):
             raise InputError(f"--rpo-alpha must be a finite number >= 0, got {self.rpo_alpha}")
+
+
+    def _check_parameters_used(self) -> None:
+        """A loss parameter set away from its default that no loss of the run reads is refused (as --label-smoothing
+        is), on both paths: TRL would ignore it silently."""
+        names = self.loss_type.split(",")
+        loss = f"--loss {self.loss_type}"
+        unused = [(flag, value, needs, this_run) for flag, value, default, needs, this_run, used in (
+            ("--f-alpha-divergence-coef", self.f_alpha_divergence_coef, LossConfig.f_alpha_divergence_coef,
+             "--f-divergence-type alpha_divergence", f"--f-divergence-type {self.f_divergence_type}",
+             self.f_divergence_type == "alpha_divergence"),
+            ("--discopop-tau", self.discopop_tau, LossConfig.discopop_tau, "--loss discopop", loss, "discopop" in names),
+            ("--simpo-gamma", self.simpo_gamma, LossConfig.simpo_gamma, "--loss simpo", loss, "simpo" in names),
+        ) if value != default and not used]
+        if unused:
+            flag, value, needs, this_run = unused[0]
+            raise InputError(f"{flag} {value:g} has no effect with {this_run} (only {needs} uses it); drop it")
 
 
 def _chosen_rejected(seqs: SequenceLogps, length_normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
