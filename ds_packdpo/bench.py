@@ -179,6 +179,7 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
                 "rows_per_rank": metrics["rows_per_rank"],
                 "rank_tokens": list(plan.rank_tokens), "rank_computed_tokens": list(plan.rank_computed_tokens),
                 "attention_sq": meter.attention_sq(plan), "flops": meter.step_flops(plan),
+                "prepass_flops": meter.prepass_flops(plan),
                 "row_fill": [row.tokens / setup.plan_cfg.max_tokens_per_row for rows in plan.ranks for row in rows
                              if row.pairs],
                 "sequence_lengths": [int(lengths[k][p]) for p in plan.pairs for k in (0, 1)],
@@ -237,6 +238,7 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
         "peak_mem_mb_per_rank": [p / 2**20 for p in peaks],
         "peak_mem_kind": memory_kind,
         "model_flops": flops,
+        "prepass_flops": sum(s["prepass_flops"] for s in steps),
         **meter.figures(flops, total_time),
         "steps": steps,
     }
