@@ -639,18 +639,21 @@ def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
     return cfg
 
 
-def train_parser(prog: str = "ds-packdpo train") -> argparse.ArgumentParser:
-    parser = FlagParser(
-        prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.",
-        epilog="ds-packdpo train (outside a launcher) also takes --num-procs N (ranks to start), --master-port P and "
-               "--dry-run (phase one only: the plan line and a per-GPU memory estimate; nothing starts, nothing is "
-               "written).")
+TRAIN_EPILOG = ("ds-packdpo train (outside a launcher) also takes --num-procs N (ranks to start), --master-port P and "
+                "--dry-run (phase one only: the plan line and a per-GPU memory estimate; nothing starts, nothing is "
+                "written).")
+
+
+def train_parser(prog: str = "ds-packdpo train", description: str = "Packed, rank-balanced DPO on DeepSpeed.",
+                 epilog: str | None = TRAIN_EPILOG) -> argparse.ArgumentParser:
+    """The training flags under ``prog``; another command that takes them (eval) passes its own texts."""
+    parser = FlagParser(prog=prog, description=description, epilog=epilog)
     add_arguments(parser)
     return parser
 
 
-def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train") -> TrainConfig:
-    return config_from_args(train_parser(prog).parse_args(argv))
+def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train", **texts) -> TrainConfig:
+    return config_from_args(train_parser(prog, **texts).parse_args(argv))
 
 
 def to_dict(cfg) -> dict:
