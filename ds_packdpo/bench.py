@@ -36,6 +36,7 @@ from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
+from .console import progress_bar
 from .data.plan import steps_per_epoch
 from .data.run_plan import prompt_groups_of, run_plan
 from .errors import InputError, run_guarded
@@ -163,6 +164,7 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
         lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
         timer = StepTimer()
         steps = []
+        bar = progress_bar(warmup_steps + cfg.max_steps, f"bench {name}", "step", layout.rank == 0 and cfg.progress)
         # Every rank holds the whole plan, so rank 0's records carry every data-parallel share's load.
         for index, plan in enumerate(run_plan(setup.prepared, setup.plan_cfg, cfg.epochs)):
             if index >= warmup_steps + cfg.max_steps:
@@ -170,6 +172,7 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
             timer.begin()
             metrics = trainer.train_step(plan)
             seconds = timer.seconds()
+            bar.update(1)
             if index < warmup_steps:
                 continue
             steps.append({
@@ -184,6 +187,7 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
                              if row.pairs],
                 "sequence_lengths": [int(lengths[k][p]) for p in plan.pairs for k in (0, 1)],
             })
+        bar.close()
         run.close()
         del run, trainer
     # every rank's peak memory goes into the report

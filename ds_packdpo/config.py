@@ -185,8 +185,8 @@ class TrainConfig:
     output_dir: str = _opt("Run folder (metrics, logs).", "runs/train")
     metrics_out: str | None = _opt("Per-step JSON lines (default OUTPUT_DIR/metrics.jsonl).")
     overwrite: bool = _opt("Allow writing into a non-empty output folder.", False)
-    progress: bool = _opt("Show the progress bar on rank 0; --no-progress prints one line every --logging-steps "
-                          "steps instead.", True)
+    progress: bool = _opt("Show the progress bar on rank 0 (and the bars of tokenization, precompute-ref, eval and "
+                          "bench); --no-progress prints none, and one line every --logging-steps steps instead.", True)
     logging_steps: int = _opt("With --no-progress, print a line of the step's figures every N optimizer steps.", 10)
     verbose: bool = _opt("Show libraries' warnings and DeepSpeed's INFO lines (the launcher's commands) and warnings.",
                          False)

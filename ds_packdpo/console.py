@@ -13,6 +13,8 @@ import os
 import sys
 import warnings
 
+from tqdm.auto import tqdm
+
 SAID_ENV = "DS_PACKDPO_PHASE_ONE_SAID"  # set for the ranks of a front process that ran phase one itself
 
 
@@ -37,6 +39,12 @@ def quiet_libraries(verbose: bool) -> None:
     warnings.formatwarning = one_line_warning
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def progress_bar(total: int, desc: str, unit: str, shown: bool) -> tqdm:
+    """The bar of a command's long work (precompute-ref's pairs, eval's rows, bench's steps): ``shown`` on rank 0
+    with --progress only, so --no-progress and the other ranks print none."""
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not shown)
 
 
 def say_warning(text: str) -> None:

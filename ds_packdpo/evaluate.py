@@ -32,7 +32,7 @@ def parse_eval_args(argv: list[str] | None, prog: str = "ds-packdpo eval"):
 def evaluate_model(cfg) -> dict | None:
     """The whole job on this rank; rank 0 returns the figures (other ranks: None)."""
     run = start(prepare(cfg, "eval"))
-    figures = evaluate(run)
+    figures = evaluate(run, progress=True)
     run.close()
     return figures if run.setup.layout.rank == 0 else None
 
