@@ -36,7 +36,7 @@ from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
-from .console import progress_bar
+from .console import progress_bar, said_already
 from .data.plan import steps_per_epoch
 from .data.run_plan import prompt_groups_of, run_plan
 from .errors import InputError, run_guarded
@@ -316,7 +316,8 @@ def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: 
             setups[name] = None
             continue
         try:
-            setups[name] = prepare(configuration_config(cfg, name), "bench", world_size)
+            with said_already():  # the first set-up's data warnings, not once more per configuration
+                setups[name] = prepare(configuration_config(cfg, name), "bench", world_size)
         except InputError as error:
             raise InputError(f"--configurations {name}: {error}") from None
     return BenchPlan(cfg, first, setups)
@@ -329,8 +330,9 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
     runs = {}
     for name, setup in plan.setups.items():
         if setup is None:
-            precompute(dataclasses.replace(cfg, overwrite=True), str(precomputed_reference_path(cfg)))  # untimed
-            setup = prepare(configuration_config(cfg, name), "bench")
+            with said_already():  # the same data as the first set-up's
+                precompute(dataclasses.replace(cfg, overwrite=True), str(precomputed_reference_path(cfg)))  # untimed
+                setup = prepare(configuration_config(cfg, name), "bench")
         runs[name] = measure_configuration(name, setup, settings.bench_warmup_steps)
     if first.layout.rank != 0:
         return None

@@ -8,6 +8,7 @@ engine's own start-up triggers) are filtered unless ``--verbose``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -53,6 +54,21 @@ def say_warning(text: str) -> None:
     if os.environ.get(SAID_ENV) or os.environ.get("RANK", "0") != "0":
         return
     print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def said_already():
+    """A block whose :func:`say_warning` lines were said before in this process (bench prepares the same data once
+    per configuration): none again."""
+    before = os.environ.get(SAID_ENV)
+    os.environ[SAID_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[SAID_ENV]
+        else:
+            os.environ[SAID_ENV] = before
 
 
 def launcher_options(verbose: bool) -> list[str]:

@@ -347,6 +347,17 @@ def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
+def test_bench_says_each_data_warning_once(tmp_path, capfd):
+    """Phase one prepares the data once per configuration: the truncation warning was printed for each
+    (4 lines for packed,packed-no-prefix-sharing,padded: the base set-up and each configuration), now once."""
+    cfg, settings = bench.parse_bench_args(["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8",
+                                            "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir",
+                                            str(tmp_path / "cache"), "--out", str(tmp_path / "b")])
+    plan = bench.check_configurations(cfg, settings, world_size=1)
+    assert list(plan.setups) == ["packed", "packed-no-prefix-sharing", "padded"]
+    assert capfd.readouterr().err.count("warning: synthetic: truncation (--max-length 64)") == 1
+
+
 def test_step_times_are_reduced_on_the_accelerator(monkeypatch):
     """The slowest rank's step times are all-reduced from the accelerator's device (NCCL has no CPU tensors: the
     H200 run's bench ended with 'No backend type associated with device type cpu')."""
