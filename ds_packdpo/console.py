@@ -8,11 +8,11 @@ engine's own start-up triggers) are filtered unless ``--verbose``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 import warnings
+from unittest import mock
 
 from tqdm.auto import tqdm
 
@@ -56,19 +56,10 @@ def say_warning(text: str) -> None:
     print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
 def said_already():
     """A block whose :func:`say_warning` lines were said before in this process (bench prepares the same data once
-    per configuration): none again."""
-    before = os.environ.get(SAID_ENV)
-    os.environ[SAID_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[SAID_ENV]
-        else:
-            os.environ[SAID_ENV] = before
+    per configuration): none again.  The environment is restored after it."""
+    return mock.patch.dict(os.environ, {SAID_ENV: "1"})
 
 
 def launcher_options(verbose: bool) -> list[str]:
