@@ -69,6 +69,10 @@ CONFIGURATIONS: dict[str, dict] = {
     # LoRA adapters on the frozen base; the reference is the policy with its adapters off (no reference engine).
     "packed-lora": {"packing": True, "lora_r": 8},
 }
+# Settings only a training run acts on (its checkpoints, resume, export, metrics file and monitors): the bench measures
+# steps and writes its report alone, so it refuses them instead of running without them.
+TRAIN_ONLY_SETTINGS = ("save_steps", "save_dir", "save_total_limit", "resume", "allow_new_layout", "export_on_end",
+                       "metrics_out", "report_to")
 PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
 DEFAULT_CONFIGURATIONS = "packed,packed-no-prefix-sharing,padded"
 DEFAULT_MEASURED_STEPS = 4
@@ -306,6 +310,12 @@ def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: 
     if cfg.eval_dataset is not None or cfg.eval_fraction is not None:
         raise InputError("--eval-dataset/--eval-fraction: bench measures training steps only (evaluate a model with "
                          "'ds-packdpo eval')")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    ignored = [name for name in TRAIN_ONLY_SETTINGS if getattr(cfg, name) != defaults[name]]
+    if ignored:
+        raise InputError(f"{', '.join('--' + name.replace('_', '-') for name in ignored)}: bench measures training "
+                         f"steps and writes only its report (no checkpoint, resume, export, metrics file or monitor); "
+                         f"drop them")
     first = prepare(cfg, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
     # first.cfg: the settings as they run (--dtype auto resolved), which the report names

@@ -358,6 +358,19 @@ def test_bench_says_each_data_warning_once(tmp_path, capfd):
     assert capfd.readouterr().err.count("warning: synthetic: truncation (--max-length 64)") == 1
 
 
+@pytest.mark.parametrize("flags", [["--save-steps", "1"], ["--export-on-end"], ["--resume", "auto"],
+                                   ["--report-to", "csv", "--metrics-out", "m.jsonl"]])
+def test_bench_refuses_what_only_training_does(tmp_path, flags):
+    """A bench ran --save-steps, --export-on-end, --resume, --report-to or --metrics-out without a word and without
+    doing them (it runs DPOTrainer.train_step alone): refused in phase one, one line naming them."""
+    cfg, settings = bench.parse_bench_args(["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8",
+                                            "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir",
+                                            str(tmp_path / "cache"), "--out", str(tmp_path / "b"), *flags])
+    with pytest.raises(InputError, match="bench measures training steps and writes only its report") as refused:
+        bench.check_configurations(cfg, settings, world_size=1)
+    assert all(flag in str(refused.value) for flag in flags if flag.startswith("--"))
+
+
 def test_step_times_are_reduced_on_the_accelerator(monkeypatch):
     """The slowest rank's step times are all-reduced from the accelerator's device (NCCL has no CPU tensors: the
     H200 run's bench ended with 'No backend type associated with device type cpu')."""
