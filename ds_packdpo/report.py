@@ -242,7 +242,7 @@ def render_markdown(report: dict) -> str:
         f"Settings: max length {settings['max_length']}, row budget {settings['row_budget']}, "
         f"{settings['global_batch_pairs']} pairs per step, padded micro-batch {settings['micro_batch_pairs']} pairs, "
         f"{settings['dtype']}, `{settings['ds_config']}`, {settings['bench_warmup_steps']} warm-up + "
-        f"{settings['max_steps']} measured steps per configuration; loss `{settings['loss']}`.\n",
+        f"{settings['max_steps']} measured steps per configuration; loss {loss_text(settings)}.\n",
         _packing_line(report),
         _prefix_sharing_line(report),
         _table([c for c, _ in RUN_COLUMNS], [[get(r) for _, get in RUN_COLUMNS] for r in runs]),
@@ -252,6 +252,17 @@ def render_markdown(report: dict) -> str:
         "\n" + "".join(f"![{p}]({p})\n" for p in PLOTS),
     ]
     return "\n".join(text)
+
+
+def loss_text(settings: dict) -> str:
+    """The trained loss with the settings that change its work or its value (``--loss`` alone did not say WPO)."""
+    text = f"`{settings['loss']}`"
+    if settings.get("loss_weights"):
+        text += f" weighted {settings['loss_weights']}"
+    extras = [f"--{key.replace('_', '-')} {settings[key]:g}" for key in ("ld_alpha", "rpo_alpha")
+              if settings.get(key)]
+    extras += ["--use-weighting"] if settings.get("use_weighting") else []
+    return text + (f" with {', '.join(extras)}" if extras else "")
 
 
 def _packing_line(report: dict) -> str:
@@ -398,7 +409,7 @@ def merge_reports(folders: list[str]) -> dict:
                 "source": str(folder), "configuration": name, "world_size": report["world_size"],
                 "sp_size": report["sp_size"],
                 "device_type": env["device_type"], "device_name": env["device_name"], "hostname": env["hostname"],
-                "dataset": report["dataset"], "model": report["model"]["source"], "loss": report["settings"]["loss"],
+                "dataset": report["dataset"], "model": report["model"]["source"], "loss": loss_text(report["settings"]),
                 **{k: run[k] for k in ("tokens_per_s", "pairs_per_s", "utilization", "peak_mem_mb",
                                        "model_tflops_per_s", "mfu")},
                 "step_time_median_s": run["step_time_s"]["median"],

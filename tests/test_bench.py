@@ -92,6 +92,16 @@ def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
     assert "pre-pass" not in render_markdown(one_run_report("sigmoid", model_flops=8e9, prepass_flops=0.0))
 
 
+def test_the_report_names_the_settings_that_change_the_loss():
+    """--use-weighting, --ld-alpha and --rpo-alpha change the loss (WPO one more reduction per chunk): report.md and a
+    merged report said only '--loss sigmoid' of a bench run with them."""
+    report = one_run_report("sigmoid", model_flops=8e9, prepass_flops=0.0)
+    report["settings"].update(use_weighting=True, ld_alpha=0.5, rpo_alpha=0.0, loss_weights=None)
+    assert "loss `sigmoid` with --ld-alpha 0.5, --use-weighting." in render_markdown(report)
+    report["settings"].update(loss="sigmoid,sft", loss_weights="1,0.3", use_weighting=False, ld_alpha=None)
+    assert "loss `sigmoid,sft` weighted 1,0.3." in render_markdown(report)
+
+
 def test_flop_model_counts_every_weight_but_the_input_embedding():
     model = build_model(None, "tiny", 300, torch.float32, "sdpa", seed=0)
     flop_model = FlopModel.of(model, with_reference=False)
