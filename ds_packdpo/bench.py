@@ -323,6 +323,8 @@ def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: 
     setups = {}
     for name in settings.configurations:
         if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:  # its file does not exist yet
+            if cfg.ref_logps_conflict():  # else it would measure the run without it, under its name
+                raise InputError(f"--configurations {name}: {cfg.ref_logps_conflict()}")
             setups[name] = None
             continue
         try:

@@ -411,10 +411,14 @@ class TrainConfig:
         if self.ref_logps is not None:
             if not Path(self.ref_logps).is_file():
                 raise InputError(f"--ref-logps {self.ref_logps}: no such file")
-            if self.loss == "simpo" or self.ref_offload:
-                what = ("--loss simpo is reference-free" if self.loss == "simpo"
-                        else "--ref-offload needs a reference model")
-                raise InputError(f"--ref-logps {self.ref_logps}: {what}; drop one of them")
+            if self.ref_logps_conflict():
+                raise InputError(f"--ref-logps {self.ref_logps}: {self.ref_logps_conflict()}; drop one of them")
+
+    def ref_logps_conflict(self) -> str | None:
+        """Why these settings take no precomputed reference (None: they do)."""
+        if self.loss == "simpo":
+            return "--loss simpo is reference-free"
+        return "--ref-offload needs a reference model" if self.ref_offload else None
 
     def _validate_scale_settings(self) -> None:
         """The LR schedule and the held-out evaluation settings."""

@@ -381,6 +381,19 @@ def test_bench_refuses_what_only_training_does(tmp_path, flags):
     assert all(flag in str(refused.value) for flag in flags if flag.startswith("--"))
 
 
+@pytest.mark.parametrize("flag", ["--loss simpo", "--ref-offload"])
+def test_bench_refuses_a_precomputed_reference_the_settings_cannot_take(tmp_path, flag):
+    """train refuses --ref-logps with --loss simpo or --ref-offload; the bench's packed-precomputed-ref configuration
+    (its file written after the others are measured) was accepted and measured as a run without a reference file
+    ('--loss simpo --configurations packed,packed-precomputed-ref' ran through).  Refused in phase one."""
+    cfg, settings = bench.parse_bench_args(["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8",
+                                            "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir",
+                                            str(tmp_path / "cache"), "--out", str(tmp_path / "b"), *flag.split(),
+                                            "--configurations", "packed,packed-precomputed-ref"])
+    with pytest.raises(InputError, match=f"--configurations packed-precomputed-ref: {flag.split()[0]}"):
+        bench.check_configurations(cfg, settings, world_size=1)
+
+
 def test_step_times_are_reduced_on_the_accelerator(monkeypatch):
     """The slowest rank's step times are all-reduced from the accelerator's device (NCCL has no CPU tensors: the
     H200 run's bench ended with 'No backend type associated with device type cpu')."""
