@@ -60,7 +60,6 @@ def precompute(cfg, out: str | None) -> dict | None:
     local = {key: [] for key in RECORD_KEYS}
     bar = progress_bar(len(pair_ids), "reference log-probs", "pair", layout.rank == 0 and cfg.progress)
     for plan in run_plan(setup.prepared, plan_cfg, epochs=1):
-        bar.update(plan.num_pairs)  # the ranks run their rows in lock step: rank 0's steps are everyone's
         for row in plan.ranks[layout.dp_rank]:
             seqs = run.reference_logps(run.row_batch(row))
             if not layout.counts_metrics:
@@ -69,6 +68,7 @@ def precompute(cfg, out: str | None) -> dict | None:
             for key, values in (("chosen_logps", seqs.chosen_logps), ("rejected_logps", seqs.rejected_logps),
                                 ("chosen_tokens", seqs.chosen_tokens), ("rejected_tokens", seqs.rejected_tokens)):
                 local[key] += values.tolist()
+        bar.update(plan.num_pairs)  # the ranks run their rows in lock step: rank 0's steps are everyone's
     bar.close()
     gathered = [None] * layout.world_size if layout.rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
