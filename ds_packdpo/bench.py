@@ -36,6 +36,7 @@ from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
+from .console import progress_bar, said_already
 from .data.plan import steps_per_epoch
 from .data.run_plan import prompt_groups_of, run_plan
 from .errors import InputError, run_guarded
@@ -68,6 +69,10 @@ CONFIGURATIONS: dict[str, dict] = {
     # LoRA adapters on the frozen base; the reference is the policy with its adapters off (no reference engine).
     "packed-lora": {"packing": True, "lora_r": 8},
 }
+# Settings only a training run acts on (its checkpoints, resume, export, metrics file and monitors): the bench measures
+# steps and writes its report alone, so it refuses them instead of running without them.
+TRAIN_ONLY_SETTINGS = ("save_steps", "save_dir", "save_total_limit", "resume", "allow_new_layout", "export_on_end",
+                       "metrics_out", "report_to")
 PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
 DEFAULT_CONFIGURATIONS = "packed,packed-no-prefix-sharing,padded"
 DEFAULT_MEASURED_STEPS = 4
@@ -163,6 +168,7 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
         lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
         timer = StepTimer()
         steps = []
+        bar = progress_bar(warmup_steps + cfg.max_steps, f"bench {name}", "step", layout.rank == 0 and cfg.progress)
         # Every rank holds the whole plan, so rank 0's records carry every data-parallel share's load.
         for index, plan in enumerate(run_plan(setup.prepared, setup.plan_cfg, cfg.epochs)):
             if index >= warmup_steps + cfg.max_steps:
@@ -170,6 +176,7 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
             timer.begin()
             metrics = trainer.train_step(plan)
             seconds = timer.seconds()
+            bar.update(1)
             if index < warmup_steps:
                 continue
             steps.append({
@@ -179,10 +186,12 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
                 "rows_per_rank": metrics["rows_per_rank"],
                 "rank_tokens": list(plan.rank_tokens), "rank_computed_tokens": list(plan.rank_computed_tokens),
                 "attention_sq": meter.attention_sq(plan), "flops": meter.step_flops(plan),
+                "prepass_flops": meter.prepass_flops(plan),
                 "row_fill": [row.tokens / setup.plan_cfg.max_tokens_per_row for rows in plan.ranks for row in rows
                              if row.pairs],
                 "sequence_lengths": [int(lengths[k][p]) for p in plan.pairs for k in (0, 1)],
             })
+        bar.close()
         run.close()
         del run, trainer
     # every rank's peak memory goes into the report
@@ -237,6 +246,7 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
         "peak_mem_mb_per_rank": [p / 2**20 for p in peaks],
         "peak_mem_kind": memory_kind,
         "model_flops": flops,
+        "prepass_flops": sum(s["prepass_flops"] for s in steps),
         **meter.figures(flops, total_time),
         "steps": steps,
     }
@@ -300,6 +310,12 @@ def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: 
     if cfg.eval_dataset is not None or cfg.eval_fraction is not None:
         raise InputError("--eval-dataset/--eval-fraction: bench measures training steps only (evaluate a model with "
                          "'ds-packdpo eval')")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    ignored = [name for name in TRAIN_ONLY_SETTINGS if getattr(cfg, name) != defaults[name]]
+    if ignored:
+        raise InputError(f"{', '.join('--' + name.replace('_', '-') for name in ignored)}: bench measures training "
+                         f"steps and writes only its report (no checkpoint, resume, export, metrics file or monitor); "
+                         f"drop them")
     first = prepare(cfg, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
     # first.cfg: the settings as they run (--dtype auto resolved), which the report names
@@ -307,10 +323,13 @@ def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: 
     setups = {}
     for name in settings.configurations:
         if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:  # its file does not exist yet
+            if cfg.ref_logps_conflict():  # else it would measure the run without it, under its name
+                raise InputError(f"--configurations {name}: {cfg.ref_logps_conflict()}")
             setups[name] = None
             continue
         try:
-            setups[name] = prepare(configuration_config(cfg, name), "bench", world_size)
+            with said_already():  # the first set-up's data warnings, not once more per configuration
+                setups[name] = prepare(configuration_config(cfg, name), "bench", world_size)
         except InputError as error:
             raise InputError(f"--configurations {name}: {error}") from None
     return BenchPlan(cfg, first, setups)
@@ -323,8 +342,9 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
     runs = {}
     for name, setup in plan.setups.items():
         if setup is None:
-            precompute(dataclasses.replace(cfg, overwrite=True), str(precomputed_reference_path(cfg)))  # untimed
-            setup = prepare(configuration_config(cfg, name), "bench")
+            with said_already():  # the same data as the first set-up's
+                precompute(dataclasses.replace(cfg, overwrite=True), str(precomputed_reference_path(cfg)))  # untimed
+                setup = prepare(configuration_config(cfg, name), "bench")
         runs[name] = measure_configuration(name, setup, settings.bench_warmup_steps)
     if first.layout.rank != 0:
         return None

@@ -253,14 +253,15 @@ def _cpu_unless_cuda() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the launched ranks get it
 
 
-def _phase_one(command: str) -> Callable[[list[str], int], TrainConfig]:
+def _phase_one(command: str, parse: Callable[..., TrainConfig] = parse_train_args
+               ) -> Callable[[list[str], int], TrainConfig]:
     """The rank's phase one of ``command`` (settings, DeepSpeed config, output folder, data, plan, resume point,
     reference file), run in the front process; its tokenization fills the cache the ranks then read."""
 
     def validate(argv: list[str], procs: int) -> TrainConfig:
         from .run.assemble import prepare
 
-        return prepare(parse_train_args(argv, prog=f"ds-packdpo {command}"), command, world_size=procs).cfg
+        return prepare(parse(argv, prog=f"ds-packdpo {command}"), command, world_size=procs).cfg
 
     return validate
 
@@ -306,8 +307,9 @@ def cmd_precompute_ref(argv: list[str]) -> int:
 
 def cmd_eval(argv: list[str]) -> int:
     from .evaluate import main as rank_main
+    from .evaluate import parse_eval_args
 
-    return _distributed_command(argv, "ds_packdpo.evaluate", rank_main, _phase_one("eval"))
+    return _distributed_command(argv, "ds_packdpo.evaluate", rank_main, _phase_one("eval", parse_eval_args))
 
 
 def export_parser() -> argparse.ArgumentParser:
@@ -319,7 +321,8 @@ def export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors file (e.g. 5GB, 500MB); a "
                         "larger model is split into several, with an index. Memory holds one shard at a time.")
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out folder.")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="Allow custom modelling code from the checkpoint's model folder (off by default).")
     parser.add_argument("--adapter-only", action="store_true",
                         help="A LoRA checkpoint as a peft adapter folder (adapter_config.json, "
                              "adapter_model.safetensors) for PeftModel.from_pretrained. Default: the adapters merged "

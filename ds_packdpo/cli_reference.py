@@ -19,6 +19,7 @@ from .bench import bench_parser
 from .cli import (check_parser, export_parser, launch_options_parser, pack_stats_parser, prepare_parser, report_parser,
                   verify_checkpoint_parser)
 from .config import flag_fields, train_parser
+from .evaluate import eval_parser
 from .precompute_ref import precompute_parser
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
@@ -30,7 +31,7 @@ COMMAND_PARSERS = (
     ("pack-stats", pack_stats_parser(), False),
     ("check", check_parser(), False),
     ("precompute-ref", precompute_parser(), True),
-    ("eval", train_parser("ds-packdpo eval"), True),
+    ("eval", eval_parser(), True),
     ("export", export_parser(), False),
     ("verify-checkpoint", verify_checkpoint_parser(), False),
     ("bench", bench_parser("ds-packdpo bench"), True),
@@ -40,8 +41,9 @@ COMMAND_PARSERS = (
 TRAINING_FLAGS = {f.name: f for f in flag_fields()}
 
 
-def _default(action: argparse.Action) -> str:
-    field = TRAINING_FLAGS.get(action.dest)
+def _default(action: argparse.Action, training: bool = True) -> str:
+    """The flag's default: a training flag's from TrainConfig (``training``), any other's from its parser."""
+    field = TRAINING_FLAGS.get(action.dest) if training else None
     if field is not None:
         value = field.default if field.default is not dataclasses.MISSING else field.default_factory()
     else:
@@ -67,9 +69,9 @@ def _cell(text: str | None) -> str:
     return " ".join((text or "").split()).replace("|", "\\|")
 
 
-def _table(actions: list[argparse.Action]) -> list[str]:
+def _table(actions: list[argparse.Action], training: bool = True) -> list[str]:
     lines = ["| flag | default | what it sets |", "|---|---|---|"]
-    lines += [f"| {_names(a)} | {_default(a)} | {_cell(a.help)} |" for a in actions]
+    lines += [f"| {_names(a)} | {_default(a, training)} | {_cell(a.help)} |" for a in actions]
     return lines
 
 
@@ -87,15 +89,16 @@ def render() -> str:
     out += [f"- [`ds-packdpo {name}`](#ds-packdpo-{name})" for name, _, _ in COMMAND_PARSERS]
     out += ["- [Training flags](#training-flags)", "- [Launch options](#launch-options)", ""]
     for name, parser, launches in COMMAND_PARSERS:
-        own = [a for a in _documented(parser) if a.dest not in training]
         takes_training = training <= {a.dest for a in _documented(parser)}
+        # a command without the training flags documents all of its own, those named like one too (export's --dtype)
+        own = [a for a in _documented(parser) if not takes_training or a.dest not in training]
         out += [f"## `ds-packdpo {name}`", "", _cell(parser.description), ""]
         notes = (["the [training flags](#training-flags)"] if takes_training else []) + \
             (["the [launch options](#launch-options)"] if launches else [])
         if notes:
             out += [f"Takes {' and '.join(notes)}{', and:' if own else '.'}", ""]
         if own:
-            out += _table(own) + [""]
+            out += _table(own, training=takes_training) + [""]
         if parser.epilog:
             out += [_cell(parser.epilog), ""]
     out += ["## Training flags", "", "Taken by train, prepare, pack-stats, check, precompute-ref, eval and bench.", ""]

@@ -185,8 +185,8 @@ class TrainConfig:
     output_dir: str = _opt("Run folder (metrics, logs).", "runs/train")
     metrics_out: str | None = _opt("Per-step JSON lines (default OUTPUT_DIR/metrics.jsonl).")
     overwrite: bool = _opt("Allow writing into a non-empty output folder.", False)
-    progress: bool = _opt("Show the progress bar on rank 0; --no-progress prints one line every --logging-steps "
-                          "steps instead.", True)
+    progress: bool = _opt("Show the progress bar on rank 0 (and the bars of tokenization, precompute-ref, eval and "
+                          "bench); --no-progress prints none, and one line every --logging-steps steps instead.", True)
     logging_steps: int = _opt("With --no-progress, print a line of the step's figures every N optimizer steps.", 10)
     verbose: bool = _opt("Show libraries' warnings and DeepSpeed's INFO lines (the launcher's commands) and warnings.",
                          False)
@@ -411,10 +411,14 @@ class TrainConfig:
         if self.ref_logps is not None:
             if not Path(self.ref_logps).is_file():
                 raise InputError(f"--ref-logps {self.ref_logps}: no such file")
-            if self.loss == "simpo" or self.ref_offload:
-                what = ("--loss simpo is reference-free" if self.loss == "simpo"
-                        else "--ref-offload needs a reference model")
-                raise InputError(f"--ref-logps {self.ref_logps}: {what}; drop one of them")
+            if self.ref_logps_conflict():
+                raise InputError(f"--ref-logps {self.ref_logps}: {self.ref_logps_conflict()}; drop one of them")
+
+    def ref_logps_conflict(self) -> str | None:
+        """Why these settings take no precomputed reference (None: they do)."""
+        if self.loss == "simpo":
+            return "--loss simpo is reference-free"
+        return "--ref-offload needs a reference model" if self.ref_offload else None
 
     def _validate_scale_settings(self) -> None:
         """The LR schedule and the held-out evaluation settings."""
@@ -639,18 +643,21 @@ def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
     return cfg
 
 
-def train_parser(prog: str = "ds-packdpo train") -> argparse.ArgumentParser:
-    parser = FlagParser(
-        prog=prog, description="Packed, rank-balanced DPO on DeepSpeed.",
-        epilog="ds-packdpo train (outside a launcher) also takes --num-procs N (ranks to start), --master-port P and "
-               "--dry-run (phase one only: the plan line and a per-GPU memory estimate; nothing starts, nothing is "
-               "written).")
+TRAIN_EPILOG = ("ds-packdpo train (outside a launcher) also takes --num-procs N (ranks to start), --master-port P and "
+                "--dry-run (phase one only: the plan line and a per-GPU memory estimate; nothing starts, nothing is "
+                "written).")
+
+
+def train_parser(prog: str = "ds-packdpo train", description: str = "Packed, rank-balanced DPO on DeepSpeed.",
+                 epilog: str | None = TRAIN_EPILOG) -> argparse.ArgumentParser:
+    """The training flags under ``prog``; another command that takes them (eval) passes its own texts."""
+    parser = FlagParser(prog=prog, description=description, epilog=epilog)
     add_arguments(parser)
     return parser
 
 
-def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train") -> TrainConfig:
-    return config_from_args(train_parser(prog).parse_args(argv))
+def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train", **texts) -> TrainConfig:
+    return config_from_args(train_parser(prog, **texts).parse_args(argv))
 
 
 def to_dict(cfg) -> dict:

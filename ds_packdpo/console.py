@@ -12,6 +12,9 @@ import logging
 import os
 import sys
 import warnings
+from unittest import mock
+
+from tqdm.auto import tqdm
 
 SAID_ENV = "DS_PACKDPO_PHASE_ONE_SAID"  # set for the ranks of a front process that ran phase one itself
 
@@ -39,12 +42,24 @@ def quiet_libraries(verbose: bool) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 
+def progress_bar(total: int, desc: str, unit: str, shown: bool) -> tqdm:
+    """The bar of a command's long work (precompute-ref's pairs, eval's rows, bench's steps): ``shown`` on rank 0
+    with --progress only, so --no-progress and the other ranks print none."""
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not shown)
+
+
 def say_warning(text: str) -> None:
     """``warning: <text>`` on stderr, once per job: by the process that runs phase one first (the front process,
     or rank 0 under a launcher started by hand), not again by every rank."""
     if os.environ.get(SAID_ENV) or os.environ.get("RANK", "0") != "0":
         return
     print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def said_already():
+    """A block whose :func:`say_warning` lines were said before in this process (bench prepares the same data once
+    per configuration): none again.  The environment is restored after it."""
+    return mock.patch.dict(os.environ, {SAID_ENV: "1"})
 
 
 def launcher_options(verbose: bool) -> list[str]:

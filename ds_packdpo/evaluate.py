@@ -10,22 +10,35 @@ Rank 0 prints the ``eval_*`` figures as one JSON object.
 
 from __future__ import annotations
 
-from .config import parse_train_args
+from .config import parse_train_args, train_parser
 from .run.assemble import prepare, start
 from .run.evaluation import evaluate
 from .run.process_group import exit_rank, run_rank_job
 
 
+DESCRIPTION = ("A trained (or exported) policy evaluated against its reference, with no training: the eval_* figures "
+               "of --dataset (its --eval-fraction part, or --eval-dataset) as one JSON object. Takes the training "
+               "flags.")
+
+
+def eval_parser(prog: str = "ds-packdpo eval"):
+    return train_parser(prog, description=DESCRIPTION, epilog=None)
+
+
+def parse_eval_args(argv: list[str] | None, prog: str = "ds-packdpo eval"):
+    return parse_train_args(argv, prog, description=DESCRIPTION, epilog=None)
+
+
 def evaluate_model(cfg) -> dict | None:
     """The whole job on this rank; rank 0 returns the figures (other ranks: None)."""
     run = start(prepare(cfg, "eval"))
-    figures = evaluate(run)
+    figures = evaluate(run, progress=True)
     run.close()
     return figures if run.setup.layout.rank == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_rank_job(lambda: evaluate_model(parse_train_args(argv, prog="ds_packdpo.evaluate")))
+    return run_rank_job(lambda: evaluate_model(parse_eval_args(argv, prog="ds_packdpo.evaluate")))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .config import FlagParser, add_arguments, config_from_args
+from .console import progress_bar
 from .data.run_plan import run_plan
 from .run.assemble import RunSetup, prepare, start
 from .run.process_group import exit_rank, run_rank_job
@@ -57,6 +58,7 @@ def precompute(cfg, out: str | None) -> dict | None:
     pair_ids = setup.prepared.dataset["pair_id"]
     plan_cfg = dataclasses.replace(setup.plan_cfg, drop_last=False)  # every pair, once
     local = {key: [] for key in RECORD_KEYS}
+    bar = progress_bar(len(pair_ids), "reference log-probs", "pair", layout.rank == 0 and cfg.progress)
     for plan in run_plan(setup.prepared, plan_cfg, epochs=1):
         for row in plan.ranks[layout.dp_rank]:
             seqs = run.reference_logps(run.row_batch(row))
@@ -66,6 +68,8 @@ def precompute(cfg, out: str | None) -> dict | None:
             for key, values in (("chosen_logps", seqs.chosen_logps), ("rejected_logps", seqs.rejected_logps),
                                 ("chosen_tokens", seqs.chosen_tokens), ("rejected_tokens", seqs.rejected_tokens)):
                 local[key] += values.tolist()
+        bar.update(plan.num_pairs)  # the ranks run their rows in lock step: rank 0's steps are everyone's
+    bar.close()
     gathered = [None] * layout.world_size if layout.rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     summary = None

@@ -28,7 +28,8 @@ from .files import atomic_folder
 
 matplotlib.use("Agg")  # files only, no display
 
-SCHEMA_VERSION = 3  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing
+SCHEMA_VERSION = 4  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
+# 4: prepass_flops (the aot pre-pass, outside the model FLOPs) and the loss in a merged report
 NUMBER = (int, float)
 OPTIONAL_NUMBER = (int, float, type(None))
 
@@ -90,11 +91,14 @@ RUN_SCHEMA = {
     "peak_mem_mb_per_rank": (list, "peak of each rank, MiB"),
     "peak_mem_kind": (str, "'rss' (CPU, sampled every 10 ms) or 'cuda_max_allocated'"),
     "model_flops": (NUMBER, "analytic model FLOPs of the measured steps (flops.py)"),
+    "prepass_flops": (NUMBER, "analytic FLOPs of the no-grad policy pre-pass of --loss aot/aot_unpaired (one more "
+                              "policy forward per row) in the measured steps, 0 without it: its time is in the step "
+                              "times, but not in model_flops, model_tflops_per_s or mfu"),
     "model_tflops_per_s": (NUMBER, "model_flops / measured time / 1e12, all ranks"),
     "mfu": (OPTIONAL_NUMBER, "model_tflops_per_s / (peak_tflops x world_size); null without --peak-tflops"),
     "steps": (list, "per measured step: step, step_time_s, loss, grad_norm, pairs, real_tokens, computed_tokens, "
                     "prompt_tokens_shared, rows_per_rank, rank_tokens and rank_computed_tokens (per data-parallel "
-                    "share; a shared prompt once), attention_sq, flops, row_fill, sequence_lengths"),
+                    "share; a shared prompt once), attention_sq, flops, prepass_flops, row_fill, sequence_lengths"),
 }
 PLOTS = ("tokens_per_s.png", "rank_load.png", "lengths.png")
 UNSHARED = "packed-no-prefix-sharing"  # packing alone: the baseline of prefix sharing
@@ -238,15 +242,27 @@ def render_markdown(report: dict) -> str:
         f"Settings: max length {settings['max_length']}, row budget {settings['row_budget']}, "
         f"{settings['global_batch_pairs']} pairs per step, padded micro-batch {settings['micro_batch_pairs']} pairs, "
         f"{settings['dtype']}, `{settings['ds_config']}`, {settings['bench_warmup_steps']} warm-up + "
-        f"{settings['max_steps']} measured steps per configuration.\n",
+        f"{settings['max_steps']} measured steps per configuration; loss {loss_text(settings)}.\n",
         _packing_line(report),
         _prefix_sharing_line(report),
         _table([c for c, _ in RUN_COLUMNS], [[get(r) for _, get in RUN_COLUMNS] for r in runs]),
+        _flops_line(report),
         _trajectory_line(report),
         f"\nCommand: `{report['command']}`\n",
         "\n" + "".join(f"![{p}]({p})\n" for p in PLOTS),
     ]
     return "\n".join(text)
+
+
+def loss_text(settings: dict) -> str:
+    """The trained loss with the settings that change its work or its value (``--loss`` alone did not say WPO)."""
+    text = f"`{settings['loss']}`"
+    if settings.get("loss_weights"):
+        text += f" weighted {settings['loss_weights']}"
+    extras = [f"--{key.replace('_', '-')} {settings[key]:g}" for key in ("ld_alpha", "rpo_alpha")
+              if settings.get(key)]
+    extras += ["--use-weighting"] if settings.get("use_weighting") else []
+    return text + (f" with {', '.join(extras)}" if extras else "")
 
 
 def _packing_line(report: dict) -> str:
@@ -273,6 +289,21 @@ def _prefix_sharing_line(report: dict) -> str:
             f"{shared['prompt_tokens_shared']:,} prompt tokens not run twice), "
             f"{_fmt(unshared['model_flops'] / shared['model_flops'])} by the analytic FLOPs (attention included); "
             f"{why}.\n")
+
+
+def _flops_line(report: dict) -> str:
+    """What the model FLOPs (and so MFU) count, and the work of the measured steps they leave out."""
+    text = ("Model FLOPs (model TFLOP/s, MFU): the policy's forward and backward and the reference's forward of the "
+            "computed tokens (`ds_packdpo/model/flops.py`); work repeated to save memory is in the step times but not "
+            "in them")
+    if report["settings"].get("gradient_checkpointing"):
+        text += ", here the second forward of `--gradient-checkpointing`"
+    runs = [run for run in report["runs"].values() if run["prepass_flops"]]
+    if runs:
+        shares = ", ".join(f"{run['name']} {run['prepass_flops'] / run['model_flops']:.0%}" for run in runs)
+        text += (f"; **`--loss {report['settings']['loss']}` runs a no-grad policy pre-pass, one more policy forward "
+                 f"per row, whose FLOPs are not counted: {shares} on top of the model FLOPs** (`prepass_flops`)")
+    return text + ".\n"
 
 
 def _trajectory_line(report: dict) -> str:
@@ -378,7 +409,7 @@ def merge_reports(folders: list[str]) -> dict:
                 "source": str(folder), "configuration": name, "world_size": report["world_size"],
                 "sp_size": report["sp_size"],
                 "device_type": env["device_type"], "device_name": env["device_name"], "hostname": env["hostname"],
-                "dataset": report["dataset"], "model": report["model"]["source"],
+                "dataset": report["dataset"], "model": report["model"]["source"], "loss": loss_text(report["settings"]),
                 **{k: run[k] for k in ("tokens_per_s", "pairs_per_s", "utilization", "peak_mem_mb",
                                        "model_tflops_per_s", "mfu")},
                 "step_time_median_s": run["step_time_s"]["median"],
@@ -388,7 +419,7 @@ def merge_reports(folders: list[str]) -> dict:
             "sources": [str(f) for f in folders], "entries": entries}
 
 
-MERGE_COLUMNS = ("source", "configuration", "world_size", "sp_size", "device_name", "tokens_per_s", "pairs_per_s",
+MERGE_COLUMNS = ("source", "configuration", "loss", "world_size", "sp_size", "device_name", "tokens_per_s", "pairs_per_s",
                  "step_time_median_s", "utilization", "peak_mem_mb", "mfu", "speedup", "ideal_speedup")
 
 

@@ -418,6 +418,7 @@ def test_precomputed_reference_of_another_ld_alpha_is_refused_before_launch(tmp_
     stored = reference_fingerprint(setup)
     assert stored["ld_alpha"] == 0.5
     meta_path(ref).write_text(json.dumps({"fingerprint": stored, "info": {}}))
-    for flags in (["--ld-alpha", "0.3"], []):
+    for flags, run_value in ((["--ld-alpha", "0.3"], "0.3"), ([], "none")):  # the values said (they were not)
         train_front("--ref-logps", str(ref), *flags,
-                    parts=(f"--ref-logps {ref}: computed for a different ld_alpha than this run",))
+                    parts=(f"--ref-logps {ref}: computed for a different ld_alpha than this run (ld_alpha: file 0.5, "
+                           f"this run {run_value}; run 'ds-packdpo precompute-ref'",))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,11 +14,13 @@ import torch
 from ds_packdpo import bench
 from ds_packdpo import cli
 from ds_packdpo.errors import InputError
+from ds_packdpo.config import parse_train_args
 from ds_packdpo.model.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
 from ds_packdpo.model.build import build_model, tiny_config
 from ds_packdpo.model.lora import LoraSettings, add_adapters
-from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, check_report, merge_reports, read_report,
-                               write_merged)
+from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, build_report, check_report, merge_reports,
+                               read_report, render_markdown, write_merged)
+from ds_packdpo.run.step_statistics import needs_policy_prepass
 
 from launching import ranks_module, run
 
@@ -49,6 +52,54 @@ def test_throughput_figures_mfu_only_with_a_peak():
     assert meter.figures(flops=8e12, seconds=2.0) == {"model_tflops_per_s": 4.0, "mfu": 0.5}
     meter.peak_tflops = None
     assert meter.figures(flops=8e12, seconds=2.0) == {"model_tflops_per_s": 4.0, "mfu": None}
+
+
+def one_run_report(loss: str, model_flops: float, prepass_flops: float) -> dict:
+    """A report of one measured configuration with these FLOPs (the other figures 1)."""
+    run_ = {key: 1 for key in RUN_SCHEMA} | {
+        "name": "packed", "attn": "sdpa_varlen", "overrides": {}, "step_time_s": {"median": 1.0, "p90": 1.0},
+        "mfu": None, "steps": [], "model_flops": model_flops, "prepass_flops": prepass_flops}
+    settings = {"dtype": "fp32", "loss": loss, "max_length": 64, "row_budget": 256, "global_batch_pairs": 8,
+                "micro_batch_pairs": 2, "ds_config": "zero3", "bench_warmup_steps": 1, "max_steps": 2}
+    environment = dict.fromkeys(("device_type", "device_name", "hostname", "torch_threads", "torch", "deepspeed",
+                                 "transformers"), "x")
+    model = dict.fromkeys(("architecture", "source", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                           "vocab_size"), 1)
+    return build_report("cmd", {"world_size": 1, "dp_size": 1, "sp_size": 1}, "synthetic", model, environment,
+                        settings, {"packed": run_})
+
+
+def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
+    """--loss aot/aot_unpaired run one more policy forward per row, without gradients (the whole step's sort needs
+    every log-prob first).  A step of one micro-batch would not repeat it, so it is not model FLOPs (nor MFU), like
+    activation checkpointing's recomputation; the bench counts it apart and report.md says what MFU leaves out (it
+    said nothing: a tiny-model aot bench's MFU left out 25% more FLOPs than it counted, unstated)."""
+    assert needs_policy_prepass(parse_train_args(["--loss", "aot"]).loss_config())
+    assert needs_policy_prepass(parse_train_args(["--loss", "sigmoid,aot_unpaired"]).loss_config())
+    assert not needs_policy_prepass(parse_train_args(["--loss", "sft"]).loss_config())  # a token count, no forward
+    assert not needs_policy_prepass(parse_train_args([]).loss_config())
+    model = FlopModel(matmul_params=1000, layers=2, attn_width=8, with_reference=True)
+    plan = SimpleNamespace(ranks=[[SimpleNamespace(pairs=(0, 1))]], rank_computed_tokens=[3 + 4 + 2 + 5])
+    meter = ThroughputMeter(model, [3, 4], [2, 5], packed=True, world_size=1, peak_tflops=None, policy_prepass=True)
+    # one policy forward of the step's computed tokens: 2 N T + 4 l d S, S = 3^2 + 4^2 + 2^2 + 5^2
+    assert meter.prepass_flops(plan) == 2 * 1000 * 14 + 4 * 2 * 8 * (9 + 16 + 4 + 25)
+    assert meter.step_flops(plan) == step_flops(model, 14, 54)  # the model FLOPs are unchanged
+    meter.policy_prepass = False
+    assert meter.prepass_flops(plan) == 0.0
+    markdown = render_markdown(one_run_report("aot", model_flops=8e9, prepass_flops=2e9))
+    assert "`--loss aot` runs a no-grad policy pre-pass" in markdown and "packed 25% on top of the model FLOPs" in markdown
+    assert "loss `aot`" in markdown
+    assert "pre-pass" not in render_markdown(one_run_report("sigmoid", model_flops=8e9, prepass_flops=0.0))
+
+
+def test_the_report_names_the_settings_that_change_the_loss():
+    """--use-weighting, --ld-alpha and --rpo-alpha change the loss (WPO one more reduction per chunk): report.md and a
+    merged report said only '--loss sigmoid' of a bench run with them."""
+    report = one_run_report("sigmoid", model_flops=8e9, prepass_flops=0.0)
+    report["settings"].update(use_weighting=True, ld_alpha=0.5, rpo_alpha=0.0, loss_weights=None)
+    assert "loss `sigmoid` with --ld-alpha 0.5, --use-weighting." in render_markdown(report)
+    report["settings"].update(loss="sigmoid,sft", loss_weights="1,0.3", use_weighting=False, ld_alpha=None)
+    assert "loss `sigmoid,sft` weighted 1,0.3." in render_markdown(report)
 
 
 def test_flop_model_counts_every_weight_but_the_input_embedding():
@@ -143,6 +194,7 @@ def test_bench_report_is_consistent(bench_folder):
             assert step["flops"] == pytest.approx(step_flops(flop_model, step["computed_tokens"], step["attention_sq"]))
         assert run_["model_tflops_per_s"] == pytest.approx(
             run_["model_flops"] / sum(s["step_time_s"] for s in run_["steps"]) / 1e12)
+        assert run_["prepass_flops"] == 0 == sum(s["prepass_flops"] for s in run_["steps"])  # sigmoid: no pre-pass
     markdown = (bench_folder / "report.md").read_text()
     assert "| packed | sdpa_varlen |" in markdown and "| padded | sdpa_varlen |" in markdown
     assert f"{report['speedup']:.3g}" in markdown and "ds_packdpo.bench" in markdown
@@ -303,6 +355,43 @@ def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):
                        "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "b")]) == 2
     assert "the data holds only 2 steps of 8 pairs" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_bench_says_each_data_warning_once(tmp_path, capfd):
+    """Phase one prepares the data once per configuration: the truncation warning was printed for each
+    (4 lines for packed,packed-no-prefix-sharing,padded: the base set-up and each configuration), now once."""
+    cfg, settings = bench.parse_bench_args(["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8",
+                                            "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir",
+                                            str(tmp_path / "cache"), "--out", str(tmp_path / "b")])
+    plan = bench.check_configurations(cfg, settings, world_size=1)
+    assert list(plan.setups) == ["packed", "packed-no-prefix-sharing", "padded"]
+    assert capfd.readouterr().err.count("warning: synthetic: truncation (--max-length 64)") == 1
+
+
+@pytest.mark.parametrize("flags", [["--save-steps", "1"], ["--export-on-end"], ["--resume", "auto"],
+                                   ["--report-to", "csv", "--metrics-out", "m.jsonl"]])
+def test_bench_refuses_what_only_training_does(tmp_path, flags):
+    """A bench ran --save-steps, --export-on-end, --resume, --report-to or --metrics-out without a word and without
+    doing them (it runs DPOTrainer.train_step alone): refused in phase one, one line naming them."""
+    cfg, settings = bench.parse_bench_args(["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8",
+                                            "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir",
+                                            str(tmp_path / "cache"), "--out", str(tmp_path / "b"), *flags])
+    with pytest.raises(InputError, match="bench measures training steps and writes only its report") as refused:
+        bench.check_configurations(cfg, settings, world_size=1)
+    assert all(flag in str(refused.value) for flag in flags if flag.startswith("--"))
+
+
+@pytest.mark.parametrize("flag", ["--loss simpo", "--ref-offload"])
+def test_bench_refuses_a_precomputed_reference_the_settings_cannot_take(tmp_path, flag):
+    """train refuses --ref-logps with --loss simpo or --ref-offload; the bench's packed-precomputed-ref configuration
+    (its file written after the others are measured) was accepted and measured as a run without a reference file
+    ('--loss simpo --configurations packed,packed-precomputed-ref' ran through).  Refused in phase one."""
+    cfg, settings = bench.parse_bench_args(["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8",
+                                            "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir",
+                                            str(tmp_path / "cache"), "--out", str(tmp_path / "b"), *flag.split(),
+                                            "--configurations", "packed,packed-precomputed-ref"])
+    with pytest.raises(InputError, match=f"--configurations packed-precomputed-ref: {flag.split()[0]}"):
+        bench.check_configurations(cfg, settings, world_size=1)
 
 
 def test_step_times_are_reduced_on_the_accelerator(monkeypatch):

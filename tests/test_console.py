@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 
 from ds_packdpo import cli
-from ds_packdpo.console import quiet_libraries
+from ds_packdpo.console import progress_bar, quiet_libraries
 from ds_packdpo.run.launch_group import LaunchOutcome
 
 from launching import BIN, SMALL_RUN, read_metrics, run
@@ -27,7 +29,7 @@ def test_a_run_prints_its_plan_progress_and_last_line_only(tmp_path):
     proc = run([str(BIN / "ds-packdpo"), "train", *SMALL_RUN, "--logging-steps", "2", "--output-dir", str(out),
                 "--cache-dir", str(tmp_path / "cache")])
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("tokenize pairs")]  # the front's tokenization bar
+    assert not [line for line in lines if "tokenize pairs" in line]  # --no-progress: no tokenization bar either
     assert not [line for line in lines if any(noise in line for noise in NOISE)], lines
     records = read_metrics(out / "metrics.jsonl")
     # the front process's phase one says once (not every rank) that --max-length 96 cuts most synthetic prompts
@@ -99,3 +101,23 @@ def test_version(capsys):
 
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"ds-packdpo {__version__}\n"
+
+
+def test_long_work_has_a_bar_that_no_progress_hides(capfd):
+    """precompute-ref, eval and bench had no bar at all (a 100k-pair precompute-ref was silent until done): each now
+    shows one on rank 0 over its pairs, rows or steps, and --no-progress (shown=False) prints nothing.  Checked by
+    running them: 'ds-packdpo precompute-ref --model-config tiny --synthetic-pairs 48 ...' printed 3 'reference
+    log-probs' bar updates, 0 with --no-progress; eval 5 and 0; bench 'bench packed/padded' bars, 0."""
+    bar = progress_bar(4, "reference log-probs", "pair", shown=True)
+    bar.update(4)
+    bar.close()
+    assert "reference log-probs: 100%" in capfd.readouterr().err
+    bar = progress_bar(4, "reference log-probs", "pair", shown=False)
+    bar.update(4)
+    bar.close()
+    assert capfd.readouterr().err == ""
+    package = Path(__file__).resolve().parents[1] / "ds_packdpo"
+    for module in ("precompute_ref.py", "bench.py", "run/evaluation.py"):
+        calls = [node for node in ast.walk(ast.parse((package / module).read_text()))
+                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "progress_bar"]
+        assert len(calls) == 1, module

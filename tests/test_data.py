@@ -606,3 +606,14 @@ def test_write_pairs_jsonl_round_trips_and_never_half_writes(dataset_writer, dem
         write_pairs_jsonl(prepared, out)
     assert out.read_text() == before
     assert sorted(p.name for p in out.parent.iterdir()) == ["pairs.jsonl"]
+
+
+def test_no_progress_hides_the_tokenization_bar(dpo_demo_rows, demo_tokenizer, tmp_path, capfd):
+    """--no-progress reaches the tokenization (datasets' 'tokenize pairs' bar printed on every prepare, train, bench and
+    eval with --no-progress), and leaves datasets' switch as it found it."""
+    rows = dpo_demo_rows[:4]
+    prepare_pairs(DataConfig("demo", cache_dir=str(tmp_path / "quiet"), progress=False), demo_tokenizer, rows=rows)
+    assert "tokenize pairs" not in capfd.readouterr().err
+    assert datasets.is_progress_bar_enabled()
+    prepare_pairs(DataConfig("demo", cache_dir=str(tmp_path / "shown")), demo_tokenizer, rows=rows)
+    assert "tokenize pairs" in capfd.readouterr().err

@@ -20,6 +20,7 @@ trainer makes local rank 0 call first and the others after a barrier.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -73,6 +74,7 @@ class DataConfig:
     cache_dir: str | None = None
     max_pairs: int | None = None    # keep only the first N valid pairs (handy for tests/bench)
     pairs_from: str = "best-vs-worst"  # pairs of a row with several responses (multi_response.PAIRS_FROM)
+    progress: bool = True           # the tokenization's progress bar (--no-progress: none)
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -544,30 +546,42 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
-    encoded = datasets.Dataset.from_list(normalized).map(
-        _encode_batch,
-        batched=True,
-        # num_proc=1 would still spawn a worker process in datasets; None runs in this one.
-        num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-        fn_kwargs=dict(
-            tokenizer=tokenizer,
-            conversational=conversational,
-            max_length=cfg.max_length,
-            max_prompt_length=cfg.max_prompt_length,
-            label=label,
-            bos=[tokenizer.bos_token_id] if _adds_bos(tokenizer) else [],
-        ),
-        remove_columns=["prompt", "chosen", "rejected"],
-        cache_file_name=str(cache_dir / f"pairs-{fingerprint}.arrow"),
-        new_fingerprint=fingerprint,  # explicit: datasets would otherwise hash the tokenizer with dill
-        desc="tokenize pairs",
-    )
+    with progress_bars(cfg.progress):
+        encoded = datasets.Dataset.from_list(normalized).map(
+            _encode_batch,
+            batched=True,
+            # num_proc=1 would still spawn a worker process in datasets; None runs in this one.
+            num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+            fn_kwargs=dict(
+                tokenizer=tokenizer,
+                conversational=conversational,
+                max_length=cfg.max_length,
+                max_prompt_length=cfg.max_prompt_length,
+                label=label,
+                bos=[tokenizer.bos_token_id] if _adds_bos(tokenizer) else [],
+            ),
+            remove_columns=["prompt", "chosen", "rejected"],
+            cache_file_name=str(cache_dir / f"pairs-{fingerprint}.arrow"),
+            new_fingerprint=fingerprint,  # explicit: datasets would otherwise hash the tokenizer with dill
+            desc="tokenize pairs",
+        )
     prepared = _finish(cfg, encoded, fingerprint, fmt, len(records), bad, beyond_max_pairs, quality, groups)
     if index is not None:  # written once the pairs are: a reader never finds an index without its cache
         atomic_write(index, lambda temporary: Path(temporary).write_text(json.dumps(
             {"fingerprint": fingerprint, "fmt": fmt, "rows": len(records), "bad": dict(bad),
              "beyond_max_pairs": beyond_max_pairs, "quality": quality, "multi_response": groups})))
     return prepared
+
+
+@contextlib.contextmanager
+def progress_bars(shown: bool):
+    """datasets' progress bars on or off for a block (datasets has one switch per process, no per-call one)."""
+    was_shown = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if shown else datasets.disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (datasets.enable_progress_bars if was_shown else datasets.disable_progress_bars)()
 
 
 def _quality_counts(normalized: list[dict]) -> dict[str, int]:

@@ -15,6 +15,13 @@ lengths of a packed row (with prefix sharing (P + C)^2 + R (P + R) per pair:
 ``data.plan.pair_attention_sq``), ``rows x width^2`` of a padded micro-batch.  Frozen
 weights (the base of a LoRA run, whose adapters count in N) need no weight gradient:
 their backward is ``2 N_frozen`` per token, not ``4 N_frozen``.
+
+Model FLOPs are the work of the loss computed in one pass (PaLM's convention): work a run repeats
+to save memory is not in them, though its time is in every step time.  That is the second forward
+of ``--gradient-checkpointing`` and the no-grad policy pre-pass of ``--loss aot``/``aot_unpaired``
+(``run/step_statistics.py``: one more policy forward per row, ``2 N tokens + 4 layers d_attn S``,
+which a step of one micro-batch would not need); :func:`prepass_flops` counts the latter so the
+bench can say how much its MFU leaves out.
 """
 
 from __future__ import annotations
@@ -64,6 +71,11 @@ def step_flops(model: FlopModel, computed_tokens: float, attention_sq: float) ->
     return linear + attention
 
 
+def prepass_flops(model: FlopModel, computed_tokens: float, attention_sq: float) -> float:
+    """FLOPs of the no-grad policy pre-pass of one step (a forward of every row): not in :func:`step_flops`."""
+    return 2.0 * model.matmul_params * computed_tokens + 4.0 * model.layers * model.attn_width * attention_sq
+
+
 def row_attention_sq(pairs, chosen_lengths, rejected_lengths, packed: bool, prompt_lengths=None,
                      prefix_sharing: bool = False) -> int:
     """The attention term S of one planned row: sum(L^2) packed (the prefix-shared blocks' term with
@@ -90,8 +102,10 @@ class ThroughputMeter:
     """Model TFLOP/s and MFU of one step, for the trainer's per-step log and the bench."""
 
     def __init__(self, model: FlopModel, chosen_lengths, rejected_lengths, packed: bool, world_size: int,
-                 peak_tflops: float | None, prompt_lengths=None, prefix_sharing: bool = False):
+                 peak_tflops: float | None, prompt_lengths=None, prefix_sharing: bool = False,
+                 policy_prepass: bool = False):
         self.model = model
+        self.policy_prepass = policy_prepass  # the step runs the policy once more, without gradients (aot)
         self.lengths = (chosen_lengths, rejected_lengths)
         self.packed = packed
         self.world_size = world_size
@@ -104,6 +118,12 @@ class ThroughputMeter:
     def step_flops(self, plan) -> float:
         computed = sum(plan.rank_computed_tokens)
         return step_flops(self.model, computed, self.attention_sq(plan))
+
+    def prepass_flops(self, plan) -> float:
+        """The step's uncounted pre-pass FLOPs (0 when the loss needs no pre-pass)."""
+        if not self.policy_prepass:
+            return 0.0
+        return prepass_flops(self.model, sum(plan.rank_computed_tokens), self.attention_sq(plan))
 
     def figures(self, flops: float, seconds: float) -> dict:
         """``model_tflops_per_s`` (all ranks) and ``mfu`` (None without a peak per device)."""

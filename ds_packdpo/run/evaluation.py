@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..console import progress_bar
 from ..data.plan import StepPlan
 from ..data.prepare import PreparedPairs
 from ..data.run_plan import held_out_plan
@@ -57,8 +58,9 @@ def due(cfg, global_step: int, last: bool) -> bool:
     return last or bool(cfg.eval_steps) and global_step % cfg.eval_steps == 0
 
 
-def evaluate(run) -> dict:
-    """One pass over the held-out pairs on every rank (an assemble.Run); every rank returns the same figures."""
+def evaluate(run, progress: bool = False) -> dict:
+    """One pass over the held-out pairs on every rank (an assemble.Run); every rank returns the same figures.
+    ``progress``: a bar of rank 0's rows (``ds-packdpo eval``; in training the run's own bar shows the step)."""
     held = run.setup.held_out
     view = dataclasses.replace(run, setup=dataclasses.replace(run.setup, prepared=held.pairs),
                                reference=held.reference if held.reference is not None else run.reference)
@@ -68,10 +70,14 @@ def evaluate(run) -> dict:
     started = time.perf_counter()
     with torch.no_grad(), evaluating(run.policy):
         batches, references, policies = [], [], []
-        for row in held.plan.ranks[layout.dp_rank]:
+        rows = held.plan.ranks[layout.dp_rank]
+        bar = progress_bar(len(rows), "eval", "row", progress and layout.rank == 0 and run.setup.cfg.progress)
+        for row in rows:
             batches.append(view.row_batch(row))
             references.append(view.reference_logps(batches[-1]))
             policies.append(view.forward_logps(view.policy, batches[-1]))
+            bar.update(1)
+        bar.close()
         statistic, slots = None, slot_index(held.plan)
         if coupled_losses(run.setup.loss_cfg):  # sorted / token-averaged over the whole held-out set
             statistic = step_statistic(held.plan, batches, policies, references, layout, run.device)

@@ -185,8 +185,11 @@ class PrecomputedReference:
             raise InputError(f"{label}: unreadable {meta_file.name} ({type(error).__name__}: {error})") from None
         differing = sorted(k for k in set(stored) | set(fingerprint) if stored.get(k) != fingerprint.get(k))
         if differing:
+            # the settings' own values said (a model or data hash would say nothing)
+            values = "".join(f"{key}: file {_setting(stored.get(key))}, this run {_setting(fingerprint.get(key))}; "
+                             for key in differing if key not in HASHED_FINGERPRINT_KEYS)
             raise InputError(f"{label}: computed for a different {', '.join(differing)} than this run "
-                             f"(run 'ds-packdpo precompute-ref' with this run's settings)")
+                             f"({values}run 'ds-packdpo precompute-ref' with this run's settings)")
         columns = _read_records(path)
         position = {}
         for row, pair_id in enumerate(columns["pair_id"]):
@@ -206,6 +209,13 @@ class PrecomputedReference:
         rows = self.values[batch.pair_indices.cpu()].to(device)
         return SequenceLogps(logps=rows[:, 0:2].reshape(-1), tokens=rows[:, 2:4].reshape(-1),
                              logits_sum=torch.zeros(2 * rows.shape[0], dtype=torch.float64, device=device))
+
+
+HASHED_FINGERPRINT_KEYS = ("model", "tokenizer", "dataset")
+
+
+def _setting(value) -> str:
+    return "none" if value is None else str(value)
 
 
 def load_precomputed_reference(setup) -> PrecomputedReference | None:

@@ -36,6 +36,11 @@ def coupled_losses(loss_cfg: LossConfig) -> tuple[str, ...]:
     return tuple(name for name in family.loss_types if name in COUPLED_LOSSES) if family is not None else ()
 
 
+def needs_policy_prepass(loss_cfg: LossConfig) -> bool:
+    """Whether each step runs the no-grad policy pre-pass (a sorted batch-coupled loss is trained)."""
+    return bool(set(coupled_losses(loss_cfg)) & set(SORTED_LOSSES))
+
+
 def chosen_token_counts(batch: ModelBatch) -> torch.Tensor:
     """Each pair's scored chosen completion tokens [P] (what ``SequenceLogps.chosen_tokens`` of a forward holds),
     from the collated row alone."""
@@ -97,7 +102,7 @@ class CoupledStep:
         if not names:
             return
         policies = None
-        if set(names) & set(SORTED_LOSSES):  # the no-grad pre-pass: every row, dummy rows included (lock-step)
+        if needs_policy_prepass(run.setup.loss_cfg):  # the no-grad pre-pass: every row, dummy rows included (lock-step)
             self._references = [run.reference_logps(batch) for batch in batches]
             with torch.no_grad():
                 policies = [run.forward_logps(run.policy, batch) for batch in batches]
