@@ -24,6 +24,7 @@ from pathlib import Path
 from .data.plan import PlanConfig
 from .data.multi_response import PAIRS_FROM
 from .data.prepare import FORMATS, DataConfig
+from .console import say_warning
 from .errors import InputError
 from .files import check_creatable_folder
 from .hub import check_bare_name, check_model_source, is_hub_id
@@ -236,6 +237,9 @@ class TrainConfig:
     # Not a flag: the settings the user wrote (command line or --config), as opposed to defaults.  A value the
     # DeepSpeed config can give too runs from there when the flag was left at its default (run/user_values.py).
     given: frozenset = field(default=frozenset(), repr=False, compare=False, metadata={"flag": False})
+    # Not a flag: the settings that came from the --config file and not from the command line (a recipe written for
+    # training may hold settings another command does not act on: set_aside).
+    from_file: frozenset = field(default=frozenset(), repr=False, compare=False, metadata={"flag": False})
 
     # ------------------------------------------------------------------
     @property
@@ -633,14 +637,33 @@ def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
     """Merges defaults < config file < command line into a validated config that records which settings the user
     wrote (``given``)."""
     values = load_config_file(args.config, config_cls) if getattr(args, "config", None) else {}
+    from_file = {k for k, v in values.items() if v is not None}
     for f in flag_fields(config_cls):
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name] = given
+            from_file.discard(f.name)
     values = {k: v for k, v in values.items() if v is not None}  # a null in a file is the default
-    cfg = config_cls(**values, given=frozenset(values))
+    cfg = config_cls(**values, given=frozenset(values), from_file=frozenset(from_file))
     cfg.validate()
     return cfg
+
+
+def set_aside(cfg: TrainConfig, names: tuple[str, ...], what: str) -> TrainConfig:
+    """``cfg`` without the settings among ``names`` that a command does not act on (``what`` says why, after the
+    flags).  Written on the command line, they are refused (the command would run without them); from a --config
+    recipe, written for another command (a training recipe given to bench), they are set back to their defaults
+    with one warning, so the recipe still runs."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    written = [name for name in names if getattr(cfg, name) != defaults[name]]
+    typed = [name for name in written if name not in cfg.from_file]
+    if typed:
+        raise InputError(f"{', '.join('--' + flag(name) for name in typed)}: {what}; drop them")
+    if not written:
+        return cfg
+    say_warning(f"{', '.join(written)} from --config {cfg.config}: {what}; set aside")
+    return dataclasses.replace(cfg, **{name: defaults[name] for name in written},
+                               given=cfg.given - set(written), from_file=cfg.from_file - set(written))
 
 
 TRAIN_EPILOG = ("ds-packdpo train (outside a launcher) also takes --num-procs N (ranks to start), --master-port P and "

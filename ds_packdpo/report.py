@@ -25,11 +25,13 @@ import matplotlib.pyplot as plt
 
 from .errors import InputError
 from .files import atomic_folder
+from .model.coupled_losses import SORTED_LOSSES
 
 matplotlib.use("Agg")  # files only, no display
 
 SCHEMA_VERSION = 4  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
 # 4: prepass_flops (the aot pre-pass, outside the model FLOPs) and the loss in a merged report
+OLDEST_READ_VERSION = 3  # a schema-3 report lacks only prepass_flops (upgrade_schema_3): clusters benched before still merge
 NUMBER = (int, float)
 OPTIONAL_NUMBER = (int, float, type(None))
 
@@ -91,9 +93,10 @@ RUN_SCHEMA = {
     "peak_mem_mb_per_rank": (list, "peak of each rank, MiB"),
     "peak_mem_kind": (str, "'rss' (CPU, sampled every 10 ms) or 'cuda_max_allocated'"),
     "model_flops": (NUMBER, "analytic model FLOPs of the measured steps (flops.py)"),
-    "prepass_flops": (NUMBER, "analytic FLOPs of the no-grad policy pre-pass of --loss aot/aot_unpaired (one more "
-                              "policy forward per row) in the measured steps, 0 without it: its time is in the step "
-                              "times, but not in model_flops, model_tflops_per_s or mfu"),
+    "prepass_flops": (OPTIONAL_NUMBER, "analytic FLOPs of the no-grad policy pre-pass of --loss aot/aot_unpaired (one "
+                                       "more policy forward per row) in the measured steps, 0 without it: its time is "
+                                       "in the step times, but not in model_flops, model_tflops_per_s or mfu (null: a "
+                                       "schema-3 report of such a loss, which did not record it)"),
     "model_tflops_per_s": (NUMBER, "model_flops / measured time / 1e12, all ranks"),
     "mfu": (OPTIONAL_NUMBER, "model_tflops_per_s / (peak_tflops x world_size); null without --peak-tflops"),
     "steps": (list, "per measured step: step, step_time_s, loss, grad_norm, pairs, real_tokens, computed_tokens, "
@@ -162,14 +165,28 @@ def check_report(report, source: str) -> dict:
             if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
                 raise InputError(f"{source}: key '{where}{key}' has type {type(value).__name__}")
 
+    version = report.get("schema_version")  # first: an older report lacks keys, and its version says why
+    if isinstance(version, int) and not OLDEST_READ_VERSION <= version <= SCHEMA_VERSION:
+        raise InputError(f"{source}: schema_version {version} (this version reads {OLDEST_READ_VERSION} to "
+                         f"{SCHEMA_VERSION}; rerun that bench with this version)")
     check(report, REPORT_SCHEMA, "")
-    if report["schema_version"] != SCHEMA_VERSION:
-        raise InputError(f"{source}: schema_version {report['schema_version']} (this version reads {SCHEMA_VERSION})")
     for name, run in report["runs"].items():
         if not isinstance(run, dict):
             raise InputError(f"{source}: runs.{name} is not an object")
+    if report["schema_version"] == 3:
+        upgrade_schema_3(report)
+    for name, run in report["runs"].items():
         check(run, RUN_SCHEMA, f"runs.{name}.")
     return report
+
+
+def upgrade_schema_3(report: dict) -> None:
+    """A schema-3 report in schema 4's form: its runs' ``prepass_flops`` is 0 for a loss without the aot pre-pass
+    (nothing was left out) and null, unknown, for one with it (schema 3 did not record it)."""
+    losses = set(str(report["settings"].get("loss", "")).split(","))
+    unrecorded = None if losses & set(SORTED_LOSSES) else 0.0
+    for run in report["runs"].values():
+        run.setdefault("prepass_flops", unrecorded)
 
 
 def _as_tuple(kind) -> tuple:
@@ -303,6 +320,9 @@ def _flops_line(report: dict) -> str:
         shares = ", ".join(f"{run['name']} {run['prepass_flops'] / run['model_flops']:.0%}" for run in runs)
         text += (f"; **`--loss {report['settings']['loss']}` runs a no-grad policy pre-pass, one more policy forward "
                  f"per row, whose FLOPs are not counted: {shares} on top of the model FLOPs** (`prepass_flops`)")
+    elif any(run["prepass_flops"] is None for run in report["runs"].values()):
+        text += (f"; `--loss {report['settings']['loss']}` ran a no-grad policy pre-pass whose FLOPs this schema-3 "
+                 f"report did not record")
     return text + ".\n"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,8 @@ from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, build_report, c
 from ds_packdpo.run.step_statistics import needs_policy_prepass
 
 from launching import ranks_module, run
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 # ---- FLOP formula -------------------------------------------------------------------------------
@@ -100,6 +103,26 @@ def test_the_report_names_the_settings_that_change_the_loss():
     assert "loss `sigmoid` with --ld-alpha 0.5, --use-weighting." in render_markdown(report)
     report["settings"].update(loss="sigmoid,sft", loss_weights="1,0.3", use_weighting=False, ld_alpha=None)
     assert "loss `sigmoid,sft` weighted 1,0.3." in render_markdown(report)
+
+
+def test_a_schema_3_report_still_merges(tmp_path):
+    """Reports compared across clusters outlive a schema change: schema 4 added only ``prepass_flops``, so a schema-3
+    folder (docs/bench_prefix_report.json, benched before it) is read, its pre-pass FLOPs 0 for a loss without the
+    pre-pass and unknown (null, said in report.md) for one with it; older schemas are refused in one line."""
+    old = json.loads((DOCS / "bench_prefix_report.json").read_text())
+    assert old["schema_version"] == 3 and "prepass_flops" not in old["runs"]["packed"]
+    folder = tmp_path / "old"
+    folder.mkdir()
+    (folder / "report.json").write_text(json.dumps(old))
+    assert {run["prepass_flops"] for run in read_report(folder)["runs"].values()} == {0.0}
+    entries = merge_reports([str(folder)])["entries"]
+    assert len(entries) == len(old["runs"]) and entries[0]["loss"] == f"`{old['settings']['loss']}`"
+    old["settings"]["loss"] = "sigmoid,aot"
+    upgraded = check_report(json.loads(json.dumps(old)), "old/report.json")
+    assert {run["prepass_flops"] for run in upgraded["runs"].values()} == {None}
+    assert "pre-pass whose FLOPs this schema-3 report did not record" in render_markdown(upgraded)
+    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 4"):
+        check_report(json.loads((DOCS / "bench_report.json").read_text()), "docs/bench_report.json")
 
 
 def test_flop_model_counts_every_weight_but_the_input_embedding():
@@ -379,6 +402,24 @@ def test_bench_refuses_what_only_training_does(tmp_path, flags):
     with pytest.raises(InputError, match="bench measures training steps and writes only its report") as refused:
         bench.check_configurations(cfg, settings, world_size=1)
     assert all(flag in str(refused.value) for flag in flags if flag.startswith("--"))
+
+
+def test_bench_sets_aside_what_only_training_does_when_a_recipe_holds_it(tmp_path, capfd):
+    """A training recipe (examples/*.yaml hold save_steps, eval_fraction) given to bench with --config: the bench
+    still runs it, without the settings only training acts on, and says so once; the same settings typed on the
+    command line are refused, as above."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("save_steps: 5\neval_fraction: 0.2\nmax_length: 64\n")
+    args = ["--config", str(recipe), "--synthetic-pairs", "48", "--global-batch-pairs", "8", "--max-steps", "2",
+            "--bench-warmup-steps", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "b")]
+    plan = bench.check_configurations(*bench.parse_bench_args(args), world_size=1)
+    assert plan.cfg.save_steps is None and plan.cfg.eval_fraction is None and plan.cfg.max_length == 64
+    assert not {"save_steps", "eval_fraction"} & (plan.cfg.given | plan.cfg.from_file)
+    err = capfd.readouterr().err
+    assert err.count(f"warning: eval_fraction from --config {recipe}: bench measures training steps only") == 1
+    assert err.count(f"warning: save_steps from --config {recipe}: bench measures training steps and writes only") == 1
+    with pytest.raises(InputError, match="^--save-steps: bench measures training steps and writes only its report"):
+        bench.check_configurations(*bench.parse_bench_args([*args, "--save-steps", "3"]), world_size=1)
 
 
 @pytest.mark.parametrize("flag", ["--loss simpo", "--ref-offload"])

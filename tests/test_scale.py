@@ -185,8 +185,8 @@ def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer,
                      "0.2"]) == 0
     assert json.loads(capsys.readouterr().out)["pairs"] == len(setup.prepared.chosen_lengths)
     assert cli.main(["bench", *base, "--dataset", str(data), "--num-procs", "2"]) == 2
-    assert capsys.readouterr().err.strip().endswith("error: --eval-dataset/--eval-fraction: bench measures training "
-                                                    "steps only (evaluate a model with 'ds-packdpo eval')")
+    assert capsys.readouterr().err.strip().endswith("error: --eval-fraction: bench measures training steps only "
+                                                    "(evaluate a model with 'ds-packdpo eval'); drop them")
 
 
 # ----------------------------------------------------------------------------- activation checkpointing
