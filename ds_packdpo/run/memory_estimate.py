@@ -121,10 +121,10 @@ def _size(n: int) -> str:
 
 def _trained(estimate: dict) -> str:
     """What the model states count: every parameter trained, or the trained ones and the frozen weights apart."""
-    total, trainable = estimate["parameters"], estimate["trainable_parameters"]
+    total, trainable, world = estimate["parameters"], estimate["trainable_parameters"], estimate["world_size"]
     if trainable == total:
-        return f"{total:,} parameters"
-    return (f"optimizer states of the {trainable:,} trainable of {total:,} parameters, "
+        return f"{total:,} parameters over {world} ranks"
+    return (f"{trainable:,} trainable of {total:,} parameters over {world} ranks, their optimizer states "
             f"{_size(estimate['optimizer_states'])}; frozen weights {_size(estimate['frozen_weights'])}")
 
 
@@ -133,7 +133,7 @@ def describe_estimate(estimate: dict) -> str:
     acts = estimate["activations"]
     on = estimate["activation_checkpointing"]
     return (f"memory per GPU (estimate): {_size(estimate['total'])} = model states {_size(estimate['model_states'])} "
-            f"(ZeRO-3 estimator, {_trained(estimate)} over {estimate['world_size']} ranks) + "
+            f"(ZeRO-3 estimator, {_trained(estimate)}) + "
             f"reference "
             f"{_size(estimate['reference_weights'])} + activations {_size(acts['checkpointed' if on else 'full'])} "
             f"({estimate['row_tokens']} tokens a row, {'with' if on else 'without'} activation checkpointing) + "
