@@ -468,8 +468,8 @@ def comparability_line(merged: dict) -> str:
 
 
 MERGE_COLUMNS = ("source", "configuration", "model", "dataset_name", "max_length", "loss", "world_size", "sp_size",
-                 "device_name", "tokens_per_s", "pairs_per_s", "step_time_median_s", "utilization", "peak_mem_mb", "mfu",
-                 "speedup", "ideal_speedup")
+                 "device_name", "tokens_per_s", "pairs_per_s", "step_time_median_s", "utilization", "peak_mem_mb",
+                 "mfu", "speedup", "ideal_speedup")
 
 
 def write_merged(merged: dict, out: Path, overwrite: bool = False) -> None:
@@ -477,8 +477,9 @@ def write_merged(merged: dict, out: Path, overwrite: bool = False) -> None:
         (folder / "merged.json").write_text(json.dumps(merged, indent=1) + "\n")
         rows = [[e[c] for c in MERGE_COLUMNS] for e in merged["entries"]]
         header = [COMPARED_KEYS.get(column, column) for column in MERGE_COLUMNS]
-        (folder / "report.md").write_text("# ds_packdpo throughput comparison\n\n" + comparability_line(merged) + "\n"
-                                          + _table(header, rows) + "\n![tokens per second](tokens_per_s.png)\n")
+        title = "# ds_packdpo throughput comparison\n\n"
+        (folder / "report.md").write_text(title + comparability_line(merged) + "\n" + _table(header, rows)
+                                          + "\n![tokens per second](tokens_per_s.png)\n")
         entries = merged["entries"]
         fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(entries)), 4.0))
         labels = [f"{Path(e['source']).name}\n{e['configuration']} ({e['world_size']}r)" for e in entries]

@@ -162,7 +162,8 @@ def test_a_merged_report_names_each_folders_model_and_dataset_and_says_when_they
     markdown = (tmp_path / "differ" / "report.md").read_text()
     assert ("**Not comparable: the folders differ in model, dataset, max length; their tokens/s, step times and MFU "
             "measure different work.**") in markdown
-    assert "| Qwen/Qwen2.5-0.5B (llama, 4 layers x 896, 4/2 heads, ffn 1,024, vocab 4,096) | synthetic | 512 |" in markdown
+    assert ("| Qwen/Qwen2.5-0.5B (llama, 4 layers x 896, 4/2 heads, ffn 1,024, vocab 4,096) | synthetic | 512 |"
+            in markdown)
     other["settings"].update(max_length=2048, loss="ipo")
     other["model"], other["dataset"] = moved["model"], old["dataset"]
     assert merge_reports([str(tmp_path / "schema3"), folder("ipo", other)])["differs_in"] == ["loss"]

@@ -5,17 +5,18 @@ Model states come from DeepSpeed's own ZeRO-3 estimator
 mixed precision -- 16-bit weights and gradients, fp32 master weights and Adam moments --
 plus the largest layer gathered), fed with the policy's trainable parameter counts taken
 from its skeleton on the meta device (with its LoRA adapters, when --lora-r adds them),
-with the offload the DeepSpeed config asks for.  Frozen weights (a LoRA run's whole base)
+with the offload the DeepSpeed config asks for. Frozen weights (a LoRA run's whole base)
 have no gradient, master copy or optimizer state: they count as weights alone, in
---dtype, partitioned like the rest.  The frozen reference adds its weights' share.  No library estimates a packed row's activations, so
-they are counted here per token and decoder layer from the model config: what autograd
-keeps of a pre-norm decoder layer (norm inputs and outputs, q/k/v before and after the
-rotary embedding, the attention output, the MLP's gate, up, activation and product),
-at the row budget, plus the gradients of one layer's activations while backward runs it;
-with activation checkpointing each layer keeps only its input, and one layer's
-activations exist again while it is recomputed.  The log-prob chunk is the
-fp32 logits of --logps-chunk-tokens tokens (the whole row with --logps-impl plain), kept
-with their log-softmax and gradient.
+--dtype, partitioned like the rest. The frozen reference adds its weights' share. No
+library estimates a packed row's activations, so they are counted here per token and
+decoder layer from the model config: what autograd keeps of a pre-norm decoder layer
+(norm inputs and outputs, q/k/v before and after the rotary embedding, the attention
+output, the MLP's gate, up, activation and product), at the row budget, plus the
+gradients of one layer's activations while backward runs it; with activation
+checkpointing each layer keeps only its input, and one layer's activations exist again
+while it is recomputed. The log-prob chunk is the fp32 logits of --logps-chunk-tokens
+tokens (the whole row with --logps-impl plain), kept with their log-softmax and
+gradient.
 """
 
 from __future__ import annotations
