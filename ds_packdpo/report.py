@@ -416,8 +416,25 @@ def plot_report(report: dict, folder: Path) -> None:
 
 # ----------------------------------------------------------------------------- merge
 
+def short_name(source: str) -> str:
+    """A model or dataset as one machine's path or a hub name: a path's last part, which is the same on two clusters
+    that keep the same file in different folders; a hub name (``org/name``) or ``synthetic`` as it is."""
+    return Path(source).name if str(source).startswith(("/", ".", "~")) else str(source)
+
+
+def model_text(model: dict) -> str:
+    """A bench folder's model by name and shape (throughput depends on the shape, not on where the file was)."""
+    return (f"{short_name(model['source'])} ({model['architecture']}, {model['num_layers']} layers x "
+            f"{model['hidden_size']}, {model['num_heads']}/{model['num_kv_heads']} heads, ffn "
+            f"{_fmt(model['intermediate_size'])}, vocab {model['vocab_size']:,})")
+
+
+# entry key -> how a merged report names it; folders that differ in one of these did not measure the same work
+COMPARED_KEYS = {"model": "model", "dataset_name": "dataset", "max_length": "max length", "loss": "loss"}
+
+
 def merge_reports(folders: list[str]) -> dict:
-    """One comparison of several bench folders: a row per (folder, configuration)."""
+    """One comparison of several bench folders: a row per (folder, configuration), and what the folders differ in."""
     if not folders:
         raise InputError("report: give at least one bench folder")
     entries = []
@@ -429,25 +446,39 @@ def merge_reports(folders: list[str]) -> dict:
                 "source": str(folder), "configuration": name, "world_size": report["world_size"],
                 "sp_size": report["sp_size"],
                 "device_type": env["device_type"], "device_name": env["device_name"], "hostname": env["hostname"],
-                "dataset": report["dataset"], "model": report["model"]["source"], "loss": loss_text(report["settings"]),
+                "dataset": report["dataset"], "dataset_name": short_name(report["dataset"]),
+                "model": model_text(report["model"]), "max_length": report["settings"]["max_length"],
+                "loss": loss_text(report["settings"]),
                 **{k: run[k] for k in ("tokens_per_s", "pairs_per_s", "utilization", "peak_mem_mb",
                                        "model_tflops_per_s", "mfu")},
                 "step_time_median_s": run["step_time_s"]["median"],
                 "speedup": report["speedup"], "ideal_speedup": report["ideal_speedup"],
             })
+    differs_in = [label for key, label in COMPARED_KEYS.items() if len({e[key] for e in entries}) > 1]
     return {"schema_version": SCHEMA_VERSION, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "sources": [str(f) for f in folders], "entries": entries}
+            "sources": [str(f) for f in folders], "differs_in": differs_in, "entries": entries}
 
 
-MERGE_COLUMNS = ("source", "configuration", "loss", "world_size", "sp_size", "device_name", "tokens_per_s", "pairs_per_s",
-                 "step_time_median_s", "utilization", "peak_mem_mb", "mfu", "speedup", "ideal_speedup")
+def comparability_line(merged: dict) -> str:
+    """One line: whether the folders measured the same work, so that their figures compare."""
+    if not merged["differs_in"]:
+        return f"Every folder ran the same {', '.join(COMPARED_KEYS.values())}: their figures compare.\n"
+    return (f"**Not comparable: the folders differ in {', '.join(merged['differs_in'])}; their tokens/s, step times "
+            f"and MFU measure different work.**\n")
+
+
+MERGE_COLUMNS = ("source", "configuration", "model", "dataset_name", "max_length", "loss", "world_size", "sp_size",
+                 "device_name", "tokens_per_s", "pairs_per_s", "step_time_median_s", "utilization", "peak_mem_mb",
+                 "mfu", "speedup", "ideal_speedup")
 
 
 def write_merged(merged: dict, out: Path, overwrite: bool = False) -> None:
     def fill(folder: Path) -> None:
         (folder / "merged.json").write_text(json.dumps(merged, indent=1) + "\n")
         rows = [[e[c] for c in MERGE_COLUMNS] for e in merged["entries"]]
-        (folder / "report.md").write_text("# ds_packdpo throughput comparison\n\n" + _table(list(MERGE_COLUMNS), rows)
+        header = [COMPARED_KEYS.get(column, column) for column in MERGE_COLUMNS]
+        title = "# ds_packdpo throughput comparison\n\n"
+        (folder / "report.md").write_text(title + comparability_line(merged) + "\n" + _table(header, rows)
                                           + "\n![tokens per second](tokens_per_s.png)\n")
         entries = merged["entries"]
         fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(entries)), 4.0))

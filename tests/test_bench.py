@@ -125,6 +125,50 @@ def test_a_schema_3_report_still_merges(tmp_path):
         check_report(json.loads((DOCS / "bench_report.json").read_text()), "docs/bench_report.json")
 
 
+def test_a_merged_report_names_each_folders_model_and_dataset_and_says_when_they_differ(tmp_path):
+    """Clusters compared side by side: the merged table named neither model nor dataset, so two folders of different
+    work read as one comparison.  Each row now names its folder's model (name and shape), dataset and max length, and
+    one line says whether the folders differ in model, dataset, max length or loss.  The same model and data file in
+    other folders of another machine are the same work; a schema-3 folder merges with a schema-4 one."""
+    old = json.loads((DOCS / "bench_prefix_report.json").read_text())
+
+    def folder(name: str, report: dict) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "report.json").write_text(json.dumps(report))
+        return str(path)
+
+    moved = json.loads(json.dumps(old)) | {"schema_version": 4, "dataset": "/data/elsewhere/dpo_en_demo.json"}
+    moved["model"]["source"] = "/scratch/models/bench_model_vocab4096.json"
+    for run_ in moved["runs"].values():
+        run_["prepass_flops"] = 0.0
+    same = merge_reports([folder("schema3", old), folder("moved", moved)])
+    assert same["differs_in"] == []
+    entry = same["entries"][0]
+    assert entry["model"] == ("bench_model_vocab4096.json (llama, 4 layers x 256, 4/2 heads, ffn 1,024, vocab 4,096)")
+    assert (entry["dataset_name"], entry["max_length"]) == ("dpo_en_demo.json", 2048)
+    write_merged(same, tmp_path / "same")
+    markdown = (tmp_path / "same" / "report.md").read_text()
+    assert "Every folder ran the same model, dataset, max length, loss: their figures compare." in markdown
+    assert "| source | configuration | model | dataset | max length | loss |" in markdown
+    assert markdown.count("| bench_model_vocab4096.json (llama, 4 layers x 256") == 2 * len(old["runs"])
+
+    other = json.loads(json.dumps(moved)) | {"dataset": "synthetic"}
+    other["model"].update(source="Qwen/Qwen2.5-0.5B", hidden_size=896)
+    other["settings"].update(max_length=512)
+    differ = merge_reports([folder("schema3-again", old), folder("other", other)])
+    assert differ["differs_in"] == ["model", "dataset", "max length"]
+    write_merged(differ, tmp_path / "differ")
+    markdown = (tmp_path / "differ" / "report.md").read_text()
+    assert ("**Not comparable: the folders differ in model, dataset, max length; their tokens/s, step times and MFU "
+            "measure different work.**") in markdown
+    assert ("| Qwen/Qwen2.5-0.5B (llama, 4 layers x 896, 4/2 heads, ffn 1,024, vocab 4,096) | synthetic | 512 |"
+            in markdown)
+    other["settings"].update(max_length=2048, loss="ipo")
+    other["model"], other["dataset"] = moved["model"], old["dataset"]
+    assert merge_reports([str(tmp_path / "schema3"), folder("ipo", other)])["differs_in"] == ["loss"]
+
+
 def test_flop_model_counts_every_weight_but_the_input_embedding():
     model = build_model(None, "tiny", 300, torch.float32, "sdpa", seed=0)
     flop_model = FlopModel.of(model, with_reference=False)

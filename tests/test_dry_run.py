@@ -9,13 +9,16 @@ import time
 
 import pytest
 import torch.distributed as dist
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.model.build import build_model
 from ds_packdpo.model.logps import auto_chunk_tokens
+from ds_packdpo.model.lora import LoraSettings, add_adapters
 from ds_packdpo.run.assemble import prepare
-from ds_packdpo.run.memory_estimate import estimate_memory, layer_activation_elements, parameter_counts
+from ds_packdpo.run.memory_estimate import (OPTIMIZER_BYTES_PER_PARAMETER, describe_estimate, estimate_memory,
+                                            layer_activation_elements, parameter_counts)
 
 from test_bad_input import assert_one_line_error
 
@@ -70,3 +73,40 @@ def test_estimate_parts(tmp_path):
     assert estimate("--dtype", "bf16")["activations"]["full"] == acts["full"] // 2
     assert estimate("--ref-offload")["reference_weights"] == 0 < base["reference_weights"]
     assert estimate("--loss", "simpo")["reference_weights"] == 0
+
+
+@pytest.mark.parametrize("ds_config", ["zero3", "zero2"])
+def test_a_lora_estimate_counts_optimizer_states_of_the_adapters_alone(tmp_path, ds_config):
+    """--lora-r trains the adapters alone, but the estimate counted gradients, fp32 master weights and Adam moments
+    for every parameter (a full fine-tuning's states).  Now the frozen base counts as weights alone (--dtype,
+    partitioned as ZeRO partitions them), the optimizer's 12 bytes per parameter only for the trainable ones, counted
+    here on the real peft model built on the tiny config; the states of full fine-tuning are still DeepSpeed's own
+    ZeRO-3 estimator's figure."""
+    def estimate(*flags):
+        cfg = parse_train_args(["--output-dir", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "cache"),
+                                "--synthetic-pairs", "16", "--max-length", "64", "--ds-config", ds_config, *flags])
+        return cfg, estimate_memory(prepare(cfg, "train", world_size=2))
+
+    _, full = estimate()
+    cfg, lora = estimate("--lora-r", "4", "--lora-target-modules", "q_proj,v_proj")
+    model = add_adapters(build_model(None, "tiny", prepare(cfg, world_size=1).vocab_size, None, "sdpa", seed=0),
+                         LoraSettings.of(cfg))
+    parameters = {id(p): p for p in model.parameters()}.values()
+    trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    total = sum(p.numel() for p in parameters)
+    assert 0 < trainable < total / 20
+    assert (lora["trainable_parameters"], lora["parameters"]) == (trainable, total)
+    assert lora["optimizer_states"] == OPTIMIZER_BYTES_PER_PARAMETER * trainable // 2
+    assert full["optimizer_states"] == OPTIMIZER_BYTES_PER_PARAMETER * full["parameters"] // 2
+    zero3 = ds_config == "zero3"
+    assert lora["frozen_weights"] == (total - trainable) * 4 // (2 if zero3 else 1)  # fp32, partitioned by ZeRO-3
+    largest = full["largest_layer_parameters"]
+    trained_states = estimate_zero3_model_states_mem_needs(trainable, largest, 2, cpu_offload=False)[1]
+    full_states = estimate_zero3_model_states_mem_needs(full["parameters"], largest, 2, cpu_offload=False)[1]
+    extra = 0 if zero3 else 2  # ZeRO 0-2 keep every 16-bit weight trained on every rank
+    assert lora["model_states"] == trained_states + extra * trainable + lora["frozen_weights"]
+    assert full["model_states"] == full_states + extra * full["parameters"]
+    assert lora["model_states"] < full["model_states"] / 2 and lora["total"] < full["total"]
+    assert lora["reference_weights"] == 0  # the reference is the policy with its adapters off
+    line = describe_estimate(lora)
+    assert f"{trainable:,} trainable of {total:,} parameters over 2 ranks, their optimizer states " in line

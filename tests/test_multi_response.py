@@ -10,6 +10,7 @@ plans through train's phase one.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from itertools import combinations
 from pathlib import Path
 
@@ -20,12 +21,14 @@ from test_bad_input import assert_one_line_error
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.data.heldout import split_by_content
+from ds_packdpo.console import SAID_ENV
+from ds_packdpo.data.heldout import split_by_content, split_warning
 from ds_packdpo.data.multi_response import pair_indices
 from ds_packdpo.data.prepare import DataConfig, prepare_pairs
 from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.data.synthetic import synthetic_multi_response_rows
 from ds_packdpo.errors import InputError
+from ds_packdpo.run.assemble import prepare
 
 MULTI_DEMO_PATH = Path(__file__).resolve().parents[2] / "shared/data/multi_response_demo.jsonl"
 
@@ -245,7 +248,6 @@ def test_multi_response_demo_counts_through_prepare(tmp_path, tokenizer_dir, cap
 
 def test_phase_one_plans_every_pair_of_the_demo_once(tmp_path, tokenizer_dir):
     """train's phase one on the demo with --pairs-from all on 2 ranks: 693 pairs, each planned exactly once."""
-    from ds_packdpo.run.assemble import prepare
 
     setup = prepare(parse_train_args(["--dataset", str(MULTI_DEMO_PATH), "--pairs-from", "all", "--tokenizer",
                                       str(tokenizer_dir), "--cache-dir", str(tmp_path / "cache"), "--output-dir",
@@ -293,3 +295,48 @@ def test_eval_fraction_holds_out_whole_groups(tmp_path, demo_tokenizer):
     assert not prompts[0] & prompts[1]
     assert len(prompts[0]) + len(prompts[1]) == 152  # the groups with a pair
     assert 0.15 < len(prompts[1]) / 152 < 0.35
+
+
+def test_eval_fraction_says_when_truncation_merged_prompts_of_several_rows(tmp_path, tokenizer_dir, capsys,
+                                                                          monkeypatch):
+    """A prompt keeps its end and gives way to the longest completion: --max-length 512 cuts most of the demo's
+    prompts to the same chat-template tail, so rows' groups merge and --eval-fraction 0.1, which holds out each
+    prompt's pairs together, held out more than half the pairs, silently.  Phase one now says it in one warning
+    line, with the counts taken here from the two parts; without truncation the split is within its noise and
+    nothing is said."""
+    monkeypatch.delenv(SAID_ENV, raising=False)
+
+    def phase_one(max_length: str):
+        setup = prepare(parse_train_args(["--dataset", str(MULTI_DEMO_PATH), "--pairs-from", "all", "--tokenizer",
+                                          str(tokenizer_dir), "--cache-dir", str(tmp_path / "cache"), "--output-dir",
+                                          str(tmp_path / "out"), "--max-length", max_length, "--eval-fraction", "0.1",
+                                          "--global-batch-pairs", "16"]), world_size=2)
+        parts = [part.dataset["prompt_ids"] for part in (setup.prepared, setup.held_out.pairs)]
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: --eval-fraction")]
+        return parts, lines, setup.prepared.summary
+
+    (train, held), lines, summary = phase_one("512")
+    total = len(train) + len(held)
+    prompts = Counter(tuple(ids) for part in (train, held) for ids in part)
+    assert len(held) / total > 0.5 and max(prompts.values()) > 6  # one row of 4 responses makes at most 6 pairs
+    assert lines == [f"warning: --eval-fraction 0.1 held out {len(held)} of {total} pairs ({len(held) / total:.0%}, "
+                     f"10% asked) of {MULTI_DEMO_PATH}: it holds out each prompt's pairs together, and after "
+                     f"truncation ({summary['prompt_truncated']} of {total} prompts cut) the prompts of the 152 rows "
+                     f"with pairs are {len(prompts)} distinct prompts, the largest shared by {max(prompts.values())} "
+                     f"pairs (one row makes at most 6); a longer --max-length (and --max-prompt-length, if set) keeps "
+                     f"more of each prompt, and them apart"]
+    (train, held), lines, summary = phase_one("4096")
+    assert lines == [] and 0.05 < len(held) / (len(train) + len(held)) < 0.25
+
+
+def test_eval_fraction_within_its_noise_says_nothing_and_far_from_it_says_why():
+    """Ordinary pairs are placed one by one, so a split within 3 standard deviations of the asked fraction says
+    nothing; one far from it (here 70 copies of one pair among 100) says the asked and actual shares."""
+    summary = {"dataset": "d.json", "prompt_truncated": 0}
+    spread = np.linspace(0, 1, 100, endpoint=False)  # 10 of 100 below 0.1: as asked
+    assert split_warning(summary, 0.1, 10, spread) is None
+    assert split_warning(summary, 0.1, 17, spread) is None  # 7 over: within 3 x sqrt(0.1 x 0.9 x 100) = 9
+    copies = np.concatenate([np.full(70, 0.05), spread[70:]])
+    assert split_warning(summary, 0.1, 70, copies) == (
+        "--eval-fraction 0.1 held out 70 of 100 pairs (70%, 10% asked) of d.json: it holds out "
+        "identical pairs together (31 distinct pairs)")

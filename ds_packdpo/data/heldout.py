@@ -7,7 +7,10 @@ other pairs of the file, so adding rows never moves a held-out pair into trainin
 exact duplicate of a held-out pair is held out with it (never trained on under another
 row).  The pairs made from one row of several responses are placed by their prompt's ids
 alone, so a group is held out whole: none of its responses trains in another pair.  The
-count is F x pairs up to sampling noise; the plan summary says how many.
+count is F x pairs up to sampling noise; the plan summary says how many.  Truncation can
+make the prompts of distinct rows identical (a prompt keeps its end, often the same chat
+template tail), merging their groups into one that falls on one side whole: the split then
+holds out far more or fewer pairs than asked, which one ``warning:`` line says.
 No torch.
 """
 
@@ -18,6 +21,7 @@ import hashlib
 
 import numpy as np
 
+from ..console import say_warning
 from ..errors import InputError
 from .prepare import PreparedPairs
 
@@ -51,13 +55,63 @@ def select_pairs(prepared: PreparedPairs, positions: np.ndarray) -> PreparedPair
 
 def split_by_content(prepared: PreparedPairs, fraction: float) -> tuple[PreparedPairs, PreparedPairs]:
     """(training pairs, held-out pairs) of ``--eval-fraction fraction``; both parts must hold a pair."""
-    held = content_positions(prepared) < fraction
+    positions = content_positions(prepared)
+    held = positions < fraction
     count, total = int(held.sum()), held.size
     if count == 0 or count == total:
         part = "no pair" if count == 0 else "every pair"
         raise InputError(f"--eval-fraction {fraction}: holds out {part} of the {total} pairs of "
                          f"{prepared.summary['dataset']}; {'raise' if count == 0 else 'lower'} it")
+    warning = split_warning(prepared.summary, fraction, count, positions)
+    if warning:
+        say_warning(warning)
     return select_pairs(prepared, np.flatnonzero(~held)), select_pairs(prepared, np.flatnonzero(held))
+
+
+# A held-out share this far from the asked one (relative to the smaller side), and beyond 3 standard deviations of
+# a split of the rows' own groups, is truncation's doing (or duplicates'), not sampling noise.
+FAR_FROM_ASKED = 0.5
+NOISE_SIGMAS = 3.0
+
+
+def pairs_per_row(groups: dict | None) -> int:
+    """The most pairs one row makes (1 for a row of one pair): the largest group the split would place whole."""
+    if not groups:
+        return 1
+    responses = groups["responses_per_group"]["max"]
+    return {"best-vs-worst": 1, "best-vs-rest": responses - 1}.get(groups["pairs_from"],
+                                                                    responses * (responses - 1) // 2)
+
+
+def split_warning(summary: dict, fraction: float, held: int, positions: np.ndarray) -> str | None:
+    """The line that says a split far from ``fraction`` (``held`` pairs of ``positions``, each pair's place), or
+    prompts of several rows merged by truncation, and why; None when neither.  A grouped pair's place is its prompt's,
+    so the distinct places are the distinct prompts after truncation."""
+    total = positions.size
+    actual = held / total
+    groups = summary.get("multi_response")
+    most = pairs_per_row(groups)
+    # the split's spread if each row's pairs stayed one unit: sum of squared unit sizes <= pairs x the largest unit
+    spread = np.sqrt(fraction * (1 - fraction) * total * most)
+    far = (abs(actual - fraction) > FAR_FROM_ASKED * min(fraction, 1 - fraction)
+           and abs(held - fraction * total) > NOISE_SIGMAS * spread)
+    truncated = summary.get("prompt_truncated", 0)
+    prompts, sizes = np.unique(positions, return_counts=True)
+    rows = groups["groups"] - groups["groups_without_pairs"] if groups else None
+    merged = bool(groups) and truncated > 0 and (prompts.size < rows or int(sizes.max()) > most)
+    if not (far or merged):
+        return None
+    text = (f"--eval-fraction {fraction:g} held out {held} of {total} pairs ({actual:.0%}, {fraction:.0%} asked) of "
+            f"{summary['dataset']}")
+    if groups:
+        text += (f": it holds out each prompt's pairs together, and after truncation ({truncated} of {total} prompts "
+                 f"cut) the prompts of the {rows} rows with pairs are {prompts.size} distinct prompts, the largest "
+                 f"shared by {int(sizes.max())} pairs (one row makes at most {most})")
+    else:
+        text += f": it holds out identical pairs together ({prompts.size} distinct pairs)"
+    if truncated:
+        text += "; a longer --max-length (and --max-prompt-length, if set) keeps more of each prompt, and them apart"
+    return text
 
 
 def first_pairs(prepared: PreparedPairs, limit: int | None) -> PreparedPairs:
