@@ -352,7 +352,8 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
         runs=runs)
     write_report_folder(report, Path(settings.out), overwrite=cfg.overwrite)
     print(json.dumps({k: report[k] for k in ("speedup", "ideal_speedup", "speedup_over_ideal", "prefix_sharing_speedup",
-                                             "prefix_sharing_ideal_speedup")}))
+                                             "prefix_sharing_ideal_speedup", "prompt_groups_speedup",
+                                             "prompt_groups_ideal_speedup")}))
     return report
 
 

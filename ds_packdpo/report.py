@@ -29,10 +29,13 @@ from .model.coupled_losses import SORTED_LOSSES
 
 matplotlib.use("Agg")  # files only, no display
 
-SCHEMA_VERSION = 4  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
-# 4: prepass_flops (the aot pre-pass, outside the model FLOPs) and the loss in a merged report
-OLDEST_READ_VERSION = 3  # a schema-3 report lacks only prepass_flops (upgrade_schema_3): clusters benched before still merge
+SCHEMA_VERSION = 5  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
+# 4: prepass_flops (the aot pre-pass, outside the model FLOPs) and the loss in a merged report; 5: prompt groups' speedup
+OLDEST_READ_VERSION = 3  # schema 3 lacks prepass_flops (upgrade_schema_3), 3 and 4 the prompt-group figures, which
+# their runs give (prompt_groups_figures): clusters benched before still merge
 NUMBER = (int, float)
+UNSHARED = "packed-no-prefix-sharing"  # packing alone: the baseline of prefix sharing
+GROUPS_OFF = "packed-no-prompt-groups"  # prefix sharing pair by pair: the baseline of prompt groups
 OPTIONAL_NUMBER = (int, float, type(None))
 
 # key -> (type(s), meaning).  Documented in the README; tests check every key and its type.
@@ -57,6 +60,11 @@ REPORT_SCHEMA = {
     "prefix_sharing_ideal_speedup": (OPTIONAL_NUMBER, "runs['packed-no-prefix-sharing'].computed_tokens / "
                                                       "runs.packed.computed_tokens: tokens without sharing / tokens "
                                                       "with (null without both)"),
+    "prompt_groups_speedup": (OPTIONAL_NUMBER, f"runs.packed.pairs_per_s / runs['{GROUPS_OFF}'].pairs_per_s: what "
+                                               "computing each response of a prompt once adds to prefix sharing (null "
+                                               "without both)"),
+    "prompt_groups_ideal_speedup": (OPTIONAL_NUMBER, f"runs['{GROUPS_OFF}'].computed_tokens / "
+                                                     "runs.packed.computed_tokens (null without both)"),
     "loss_max_rel_diff": (OPTIONAL_NUMBER, "largest |loss - first configuration's loss| / |first's| over the measured "
                                            "steps of the configurations that train the same parameters as the first "
                                            "(not the LoRA ones of a full fine-tuning first): they train the same pairs, "
@@ -104,7 +112,6 @@ RUN_SCHEMA = {
                     "share; a shared prompt once), attention_sq, flops, prepass_flops, row_fill, sequence_lengths"),
 }
 PLOTS = ("tokens_per_s.png", "rank_load.png", "lengths.png")
-UNSHARED = "packed-no-prefix-sharing"  # packing alone: the baseline of prefix sharing
 
 
 def _ratio(numerator, denominator):
@@ -117,6 +124,15 @@ TRAINED_PARAMETER_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targ
 
 def _trained_parameters(run: dict) -> dict:
     return {key: run["overrides"].get(key) for key in TRAINED_PARAMETER_SETTINGS}
+
+
+def prompt_groups_figures(runs: dict) -> dict:
+    """What prompt groups add over prefix sharing pair by pair: pairs/s measured and the computed tokens' ideal."""
+    grouped, ungrouped = runs.get("packed"), runs.get(GROUPS_OFF)
+    both = grouped is not None and ungrouped is not None
+    return {"prompt_groups_speedup": _ratio(grouped["pairs_per_s"], ungrouped["pairs_per_s"]) if both else None,
+            "prompt_groups_ideal_speedup": (_ratio(ungrouped["computed_tokens"], grouped["computed_tokens"])
+                                            if both else None)}
 
 
 def loss_max_rel_diff(runs: dict) -> float | None:
@@ -149,6 +165,7 @@ def build_report(command: str, layout: dict, dataset: str, model: dict, environm
         "speedup": speedup, "ideal_speedup": ideal, "speedup_over_ideal": _ratio(speedup, ideal),
         "loss_max_rel_diff": diff, "same_trajectory": same,
         "prefix_sharing_speedup": sharing, "prefix_sharing_ideal_speedup": sharing_ideal,
+        **prompt_groups_figures(runs),
     }
 
 
@@ -169,6 +186,9 @@ def check_report(report, source: str) -> dict:
     if isinstance(version, int) and not OLDEST_READ_VERSION <= version <= SCHEMA_VERSION:
         raise InputError(f"{source}: schema_version {version} (this version reads {OLDEST_READ_VERSION} to "
                          f"{SCHEMA_VERSION}; rerun that bench with this version)")
+    older = isinstance(version, int) and version < 5
+    if older:  # the prompt-group figures, from its runs once they are checked
+        report.update(dict.fromkeys(prompt_groups_figures({})))
     check(report, REPORT_SCHEMA, "")
     for name, run in report["runs"].items():
         if not isinstance(run, dict):
@@ -177,6 +197,8 @@ def check_report(report, source: str) -> dict:
         upgrade_schema_3(report)
     for name, run in report["runs"].items():
         check(run, RUN_SCHEMA, f"runs.{name}.")
+    if older:
+        report.update(prompt_groups_figures(report["runs"]))
     return report
 
 
@@ -262,6 +284,7 @@ def render_markdown(report: dict) -> str:
         f"{settings['max_steps']} measured steps per configuration; loss {loss_text(settings)}.\n",
         _packing_line(report),
         _prefix_sharing_line(report),
+        _prompt_groups_line(report),
         _table([c for c, _ in RUN_COLUMNS], [[get(r) for _, get in RUN_COLUMNS] for r in runs]),
         _flops_line(report),
         _trajectory_line(report),
@@ -306,6 +329,15 @@ def _prefix_sharing_line(report: dict) -> str:
             f"{shared['prompt_tokens_shared']:,} prompt tokens not run twice), "
             f"{_fmt(unshared['model_flops'] / shared['model_flops'])} by the analytic FLOPs (attention included); "
             f"{why}.\n")
+
+
+def _prompt_groups_line(report: dict) -> str:
+    """What computing each response of a prompt once adds to prefix sharing, next to its ideal (no line without a
+    `packed-no-prompt-groups` run: most benches do not measure it)."""
+    if report["prompt_groups_speedup"] is None:
+        return ""
+    return (f"**prompt groups (packed / {GROUPS_OFF} pairs/s): {_fmt(report['prompt_groups_speedup'])}**, ideal "
+            f"{_fmt(report['prompt_groups_ideal_speedup'])} (computed tokens pair by pair / grouped).\n")
 
 
 def _flops_line(report: dict) -> str:

@@ -19,7 +19,7 @@ from ds_packdpo.config import parse_train_args
 from ds_packdpo.model.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
 from ds_packdpo.model.build import build_model, tiny_config
 from ds_packdpo.model.lora import LoraSettings, add_adapters
-from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, build_report, check_report, merge_reports,
+from ds_packdpo.report import (GROUPS_OFF, PLOTS, REPORT_SCHEMA, RUN_SCHEMA, build_report, check_report, merge_reports,
                                read_report, render_markdown, write_merged)
 from ds_packdpo.run.step_statistics import needs_policy_prepass
 
@@ -121,8 +121,30 @@ def test_a_schema_3_report_still_merges(tmp_path):
     upgraded = check_report(json.loads(json.dumps(old)), "old/report.json")
     assert {run["prepass_flops"] for run in upgraded["runs"].values()} == {None}
     assert "pre-pass whose FLOPs this schema-3 report did not record" in render_markdown(upgraded)
-    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 4"):
+    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 5"):
         check_report(json.loads((DOCS / "bench_report.json").read_text()), "docs/bench_report.json")
+
+
+def test_prompt_groups_speedup_is_reported_and_read_from_older_folders():
+    """The bench measured packed-no-prompt-groups but its report left the ratio to the reader (computed by hand for
+    docs/packing.md).  It is now a report key with its token ideal, and a schema-3/4 folder that ran both
+    configurations gets it from its runs; without that configuration it is null and report.md says nothing of it."""
+    old = json.loads((DOCS / "bench_prefix_report.json").read_text())
+    assert check_report(json.loads(json.dumps(old)), "old")["prompt_groups_speedup"] is None
+    assert "prompt groups" not in render_markdown(check_report(json.loads(json.dumps(old)), "old"))
+    ungrouped = dict(old["runs"]["packed-no-prefix-sharing"], name=GROUPS_OFF)
+    old["runs"][GROUPS_OFF] = ungrouped
+    upgraded = check_report(old, "old")
+    packed = old["runs"]["packed"]
+    assert upgraded["prompt_groups_speedup"] == pytest.approx(packed["pairs_per_s"] / ungrouped["pairs_per_s"])
+    assert upgraded["prompt_groups_ideal_speedup"] == pytest.approx(ungrouped["computed_tokens"]
+                                                                    / packed["computed_tokens"])
+    assert upgraded["prompt_groups_speedup"] > 1
+    assert (f"**prompt groups (packed / {GROUPS_OFF} pairs/s): {upgraded['prompt_groups_speedup']:.3g}**"
+            in render_markdown(upgraded))
+    fresh = build_report("cmd", {"world_size": 1, "dp_size": 1, "sp_size": 1}, old["dataset"], old["model"],
+                         old["environment"], old["settings"], old["runs"])
+    assert fresh["schema_version"] == 5 and fresh["prompt_groups_speedup"] == upgraded["prompt_groups_speedup"]
 
 
 def test_a_merged_report_names_each_folders_model_and_dataset_and_says_when_they_differ(tmp_path):
