@@ -331,29 +331,42 @@ def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: 
 
 
 def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dict | None:
-    """The whole bench on this rank; rank 0 writes the report folder and returns the report."""
+    """The whole bench on this rank; rank 0 writes the report folder after each configuration (a bench that ends
+    early, out of memory in its padded configuration say, keeps the figures it measured) and returns the report."""
     plan = check_configurations(cfg, settings)
     cfg, first = plan.cfg, plan.first
-    runs = {}
-    for name, setup in plan.setups.items():
+    names = list(plan.setups)
+    runs, report = {}, None
+    for number, (name, setup) in enumerate(plan.setups.items()):
+        if first.layout.rank == 0:
+            print(f"bench: measuring {name} ({number + 1} of {len(names)})", flush=True)  # a log says which one died
         if setup is None:
             with said_already():  # the same data as the first set-up's
                 precompute(dataclasses.replace(cfg, overwrite=True), str(precomputed_reference_path(cfg)))  # untimed
                 setup = prepare(configuration_config(cfg, name), "bench")
         runs[name] = measure_configuration(name, setup, settings.bench_warmup_steps)
-    if first.layout.rank != 0:
-        return None
+        if first.layout.rank == 0:
+            report = write_bench_report(plan, settings, argv, runs, unmeasured=names[number + 1:],
+                                        overwrite=cfg.overwrite or number > 0)
+    if report is not None:
+        print(json.dumps({k: report[k] for k in ("speedup", "ideal_speedup", "speedup_over_ideal",
+                                                 "prefix_sharing_speedup", "prefix_sharing_ideal_speedup",
+                                                 "prompt_groups_speedup", "prompt_groups_ideal_speedup")}))
+    return report
+
+
+def write_bench_report(plan: BenchPlan, settings: BenchSettings, argv: list[str], runs: dict, unmeasured: list[str],
+                       overwrite: bool) -> dict:
+    """The report of the configurations measured so far, written atomically over the previous one (rank 0)."""
+    cfg, first = plan.cfg, plan.first
     report = build_report(
         command=shlex.join([sys.executable, "-m", "ds_packdpo.bench", *argv]),
         layout=first.layout.as_dict(), dataset=cfg.dataset or "synthetic",
         model=model_summary(cfg, first.vocab_size), environment=environment(first.device_type),
         settings={**to_dict(cfg), "bench_warmup_steps": settings.bench_warmup_steps,
                   "configurations": settings.configurations, "row_budget": cfg.row_budget},
-        runs=runs)
-    write_report_folder(report, Path(settings.out), overwrite=cfg.overwrite)
-    print(json.dumps({k: report[k] for k in ("speedup", "ideal_speedup", "speedup_over_ideal", "prefix_sharing_speedup",
-                                             "prefix_sharing_ideal_speedup", "prompt_groups_speedup",
-                                             "prompt_groups_ideal_speedup")}))
+        runs=dict(runs), unmeasured=tuple(unmeasured))
+    write_report_folder(report, Path(settings.out), overwrite=overwrite)
     return report
 
 

@@ -29,10 +29,12 @@ from .model.coupled_losses import SORTED_LOSSES
 
 matplotlib.use("Agg")  # files only, no display
 
-SCHEMA_VERSION = 5  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
-# 4: prepass_flops (the aot pre-pass, outside the model FLOPs) and the loss in a merged report; 5: prompt groups' speedup
+SCHEMA_VERSION = 6  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
+# 4: prepass_flops (the aot pre-pass, outside the model FLOPs) and the loss in a merged report; 5: prompt groups'
+# speedup; 6: the configurations a bench that ended early did not measure
 OLDEST_READ_VERSION = 3  # schema 3 lacks prepass_flops (upgrade_schema_3), 3 and 4 the prompt-group figures, which
-# their runs give (prompt_groups_figures): clusters benched before still merge
+# their runs give (prompt_groups_figures), and 3 to 5 wrote a report only once every configuration was measured:
+# clusters benched before still merge
 NUMBER = (int, float)
 UNSHARED = "packed-no-prefix-sharing"  # packing alone: the baseline of prefix sharing
 GROUPS_OFF = "packed-no-prompt-groups"  # prefix sharing pair by pair: the baseline of prompt groups
@@ -51,6 +53,9 @@ REPORT_SCHEMA = {
     "environment": (dict, "python, torch, deepspeed, transformers, device_type, device_name, hostname, torch_threads"),
     "settings": (dict, "every train setting, plus bench_warmup_steps, configurations, row_budget"),
     "runs": (dict, "configuration name -> figures (RUN_SCHEMA); 'packed' and 'padded' by default"),
+    "unmeasured": (list, "configurations asked for and not measured: the report is rewritten after each one, so a "
+                         "bench that ended early (out of memory, a crash) keeps what it measured; the first was the "
+                         "one running when it ended (empty: the bench finished)"),
     "speedup": (OPTIONAL_NUMBER, "runs.packed.tokens_per_s / runs.padded.tokens_per_s (null without both)"),
     "ideal_speedup": (OPTIONAL_NUMBER, "runs.padded.computed_tokens / runs.packed.computed_tokens: the speedup if time "
                                        "were proportional to computed tokens (null without both)"),
@@ -148,8 +153,9 @@ def loss_max_rel_diff(runs: dict) -> float | None:
 
 
 def build_report(command: str, layout: dict, dataset: str, model: dict, environment: dict, settings: dict,
-                 runs: dict) -> dict:
-    """``layout``: the run's ParallelLayout.as_dict() (world_size, dp_size, sp_size)."""
+                 runs: dict, unmeasured: tuple[str, ...] = ()) -> dict:
+    """``layout``: the run's ParallelLayout.as_dict() (world_size, dp_size, sp_size); ``unmeasured``: the
+    configurations still to measure when it is written."""
     packed, padded, unshared = runs.get("packed"), runs.get("padded"), runs.get(UNSHARED)
     speedup = _ratio(packed["tokens_per_s"], padded["tokens_per_s"]) if packed and padded else None
     ideal = _ratio(padded["computed_tokens"], packed["computed_tokens"]) if packed and padded else None
@@ -161,7 +167,7 @@ def build_report(command: str, layout: dict, dataset: str, model: dict, environm
         "schema_version": SCHEMA_VERSION,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": command, **layout, "dataset": dataset, "model": model,
-        "environment": environment, "settings": settings, "runs": runs,
+        "environment": environment, "settings": settings, "runs": runs, "unmeasured": list(unmeasured),
         "speedup": speedup, "ideal_speedup": ideal, "speedup_over_ideal": _ratio(speedup, ideal),
         "loss_max_rel_diff": diff, "same_trajectory": same,
         "prefix_sharing_speedup": sharing, "prefix_sharing_ideal_speedup": sharing_ideal,
@@ -186,9 +192,11 @@ def check_report(report, source: str) -> dict:
     if isinstance(version, int) and not OLDEST_READ_VERSION <= version <= SCHEMA_VERSION:
         raise InputError(f"{source}: schema_version {version} (this version reads {OLDEST_READ_VERSION} to "
                          f"{SCHEMA_VERSION}; rerun that bench with this version)")
-    older = isinstance(version, int) and version < 5
-    if older:  # the prompt-group figures, from its runs once they are checked
+    lacks_prompt_groups = isinstance(version, int) and version < 5
+    if lacks_prompt_groups:  # the prompt-group figures, from its runs once they are checked
         report.update(dict.fromkeys(prompt_groups_figures({})))
+    if isinstance(version, int) and version < 6:  # written complete or not at all
+        report["unmeasured"] = []
     check(report, REPORT_SCHEMA, "")
     for name, run in report["runs"].items():
         if not isinstance(run, dict):
@@ -197,7 +205,7 @@ def check_report(report, source: str) -> dict:
         upgrade_schema_3(report)
     for name, run in report["runs"].items():
         check(run, RUN_SCHEMA, f"runs.{name}.")
-    if older:
+    if lacks_prompt_groups:
         report.update(prompt_groups_figures(report["runs"]))
     return report
 
@@ -272,6 +280,7 @@ def render_markdown(report: dict) -> str:
     runs = list(report["runs"].values())
     text = [
         f"# ds_packdpo throughput: {report['dataset']}\n",
+        _unmeasured_line(report),
         f"{report['world_size']} ranks ({report['dp_size']} data-parallel x {report['sp_size']} sequence-parallel) on "
         f"{env['device_type']} ({env['device_name']}, host {env['hostname']}, "
         f"{env['torch_threads']} torch threads per rank); torch {env['torch']}, deepspeed {env['deepspeed']}, "
@@ -292,6 +301,14 @@ def render_markdown(report: dict) -> str:
         "\n" + "".join(f"![{p}]({p})\n" for p in PLOTS),
     ]
     return "\n".join(text)
+
+
+def _unmeasured_line(report: dict) -> str:
+    """Said first: a bench that ended before its last configuration (its other figures stand)."""
+    if not report["unmeasured"]:
+        return ""
+    return (f"**Incomplete: the bench ended while measuring `{report['unmeasured'][0]}`; not measured: "
+            f"{', '.join(report['unmeasured'])}.**\n")
 
 
 def loss_text(settings: dict) -> str:
@@ -469,10 +486,12 @@ def merge_reports(folders: list[str]) -> dict:
     """One comparison of several bench folders: a row per (folder, configuration), and what the folders differ in."""
     if not folders:
         raise InputError("report: give at least one bench folder")
-    entries = []
+    entries, incomplete = [], {}
     for folder in folders:
         report = read_report(folder)
         env = report["environment"]
+        if report["unmeasured"]:
+            incomplete[str(folder)] = report["unmeasured"]
         for name, run in report["runs"].items():
             entries.append({
                 "source": str(folder), "configuration": name, "world_size": report["world_size"],
@@ -488,15 +507,19 @@ def merge_reports(folders: list[str]) -> dict:
             })
     differs_in = [label for key, label in COMPARED_KEYS.items() if len({e[key] for e in entries}) > 1]
     return {"schema_version": SCHEMA_VERSION, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "sources": [str(f) for f in folders], "differs_in": differs_in, "entries": entries}
+            "sources": [str(f) for f in folders], "differs_in": differs_in, "incomplete": incomplete,
+            "entries": entries}
 
 
 def comparability_line(merged: dict) -> str:
-    """One line: whether the folders measured the same work, so that their figures compare."""
+    """One line: whether the folders measured the same work, so that their figures compare (and which benches ended
+    before their last configuration)."""
+    ended = "".join(f" **{source} ended early: not measured {', '.join(names)}.**"
+                    for source, names in merged["incomplete"].items())
     if not merged["differs_in"]:
-        return f"Every folder ran the same {', '.join(COMPARED_KEYS.values())}: their figures compare.\n"
+        return f"Every folder ran the same {', '.join(COMPARED_KEYS.values())}: their figures compare.{ended}\n"
     return (f"**Not comparable: the folders differ in {', '.join(merged['differs_in'])}; their tokens/s, step times "
-            f"and MFU measure different work.**\n")
+            f"and MFU measure different work.**{ended}\n")
 
 
 MERGE_COLUMNS = ("source", "configuration", "model", "dataset_name", "max_length", "loss", "world_size", "sp_size",

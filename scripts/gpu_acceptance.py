@@ -160,6 +160,7 @@ def summarize(out: Path) -> int:
                                                       "model_tflops_per_s", "peak_mem_mb", "step_time_median_s")}
                          for name, r in runs.items()},
                "bench_same_trajectory": bench.get("same_trajectory"),
+               "bench_unmeasured": bench.get("unmeasured", []),  # a bench that ended early keeps what it measured
                "bench_skipped_packing_check": "--skip-packing-check" in json.dumps(bench.get("command", "")),
                "trl": trl_report, "logps": _read_json(out / "logps.json"),
                "ours_over_trl_pairs_per_s": ours / trl_report["pairs_per_s"]
@@ -196,6 +197,8 @@ def summarize(out: Path) -> int:
         lines += [f"Training (1 GPU, ZeRO-3, bf16, {train['measured_steps']} measured steps): "
                   f"{_fmt(train['tokens_per_s'], ',.0f')} tokens/s, {_fmt(train['pairs_per_s'], '.3g')} pairs/s, "
                   f"MFU {_fmt(train['mfu'], '.3f')}, peak memory {train['peak_memory']} MB", ""]
+    if summary["bench_unmeasured"]:
+        lines += [f"**The bench ended early: not measured {', '.join(summary['bench_unmeasured'])}.**", ""]
     lines += ["| bench configuration | attn | tokens/s | pairs/s | MFU | peak MB |", "|---|---|---|---|---|---|"]
     for name, r in summary["bench"].items():
         lines.append(f"| {name} | {r['attn']} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['pairs_per_s'])} | "

@@ -121,7 +121,7 @@ def test_a_schema_3_report_still_merges(tmp_path):
     upgraded = check_report(json.loads(json.dumps(old)), "old/report.json")
     assert {run["prepass_flops"] for run in upgraded["runs"].values()} == {None}
     assert "pre-pass whose FLOPs this schema-3 report did not record" in render_markdown(upgraded)
-    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 5"):
+    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 6"):
         check_report(json.loads((DOCS / "bench_report.json").read_text()), "docs/bench_report.json")
 
 
@@ -144,7 +144,46 @@ def test_prompt_groups_speedup_is_reported_and_read_from_older_folders():
             in render_markdown(upgraded))
     fresh = build_report("cmd", {"world_size": 1, "dp_size": 1, "sp_size": 1}, old["dataset"], old["model"],
                          old["environment"], old["settings"], old["runs"])
-    assert fresh["schema_version"] == 5 and fresh["prompt_groups_speedup"] == upgraded["prompt_groups_speedup"]
+    assert fresh["schema_version"] == 6 and fresh["prompt_groups_speedup"] == upgraded["prompt_groups_speedup"]
+
+
+def test_a_bench_that_dies_keeps_the_configurations_it_measured(tmp_path, monkeypatch, capsys):
+    """A bench that ends early (its padded configuration out of memory, a CUDA fault: the first H200 bench lost all
+    its figures so) leaves the report of the configurations it measured, naming the one it died in and those not
+    measured, and that folder merges.  Ranks stood in for: phase one and each configuration's steps are patched."""
+    old = json.loads((DOCS / "bench_prefix_report.json").read_text())
+    measured = {name: dict(run, prepass_flops=0.0) for name, run in old["runs"].items()}
+    names = [*measured, "padded"]
+    layout = SimpleNamespace(rank=0, as_dict=lambda: {"world_size": 1, "dp_size": 1, "sp_size": 1})
+    cfg = parse_train_args(["--dtype", "fp32"])
+    first = SimpleNamespace(layout=layout, vocab_size=old["model"]["vocab_size"], device_type="cpu")
+    monkeypatch.setattr(bench, "check_configurations",
+                        lambda cfg, settings: bench.BenchPlan(cfg, first, dict.fromkeys(names, "set-up")))
+    monkeypatch.setattr(bench, "model_summary", lambda cfg, vocab: old["model"])
+    monkeypatch.setattr(bench, "environment", lambda device: old["environment"])
+
+    def measure(name, setup, warmup):
+        if name not in measured:
+            raise RuntimeError("CUDA error: out of memory")
+        return measured[name]
+
+    monkeypatch.setattr(bench, "measure_configuration", measure)
+    out = tmp_path / "bench"
+    settings = bench.BenchSettings(out=str(out), configurations=names)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench.run_bench(cfg, settings, ["--configurations", ",".join(names)])
+    assert "bench: measuring padded (3 of 3)" in capsys.readouterr().out
+    report = read_report(out)
+    assert list(report["runs"]) == list(measured) and report["unmeasured"] == ["padded"]
+    assert report["prefix_sharing_speedup"] == pytest.approx(old["prefix_sharing_speedup"])
+    assert ("**Incomplete: the bench ended while measuring `padded`; not measured: padded.**"
+            in (out / "report.md").read_text())
+    merged = merge_reports([str(out)])
+    assert merged["incomplete"] == {str(out): ["padded"]} and len(merged["entries"]) == 2
+    write_merged(merged, tmp_path / "merged")
+    assert f"**{out} ended early: not measured padded.**" in (tmp_path / "merged" / "report.md").read_text()
+    schema_5 = {key: value for key, value in report.items() if key != "unmeasured"}  # written whole or not at all
+    assert check_report(dict(schema_5, schema_version=5), "five")["unmeasured"] == []
 
 
 def test_a_merged_report_names_each_folders_model_and_dataset_and_says_when_they_differ(tmp_path):
