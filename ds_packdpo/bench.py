@@ -35,7 +35,8 @@ import transformers
 from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
-from .config import FlagParser, TrainConfig, add_arguments, config_from_args, set_aside, to_dict
+from .command_settings import set_aside_for
+from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
 from .console import progress_bar, said_already
 from .data.plan import steps_per_epoch
 from .data.run_plan import prompt_groups_of, run_plan
@@ -69,11 +70,6 @@ CONFIGURATIONS: dict[str, dict] = {
     # LoRA adapters on the frozen base; the reference is the policy with its adapters off (no reference engine).
     "packed-lora": {"packing": True, "lora_r": 8},
 }
-# Settings only a training run acts on (its checkpoints, resume, export, metrics file and monitors): the bench measures
-# steps and writes its report alone, so it refuses them instead of running without them.
-EVAL_SETTINGS = ("eval_dataset", "eval_fraction", "eval_steps", "eval_max_pairs")
-TRAIN_ONLY_SETTINGS = ("save_steps", "save_dir", "save_total_limit", "resume", "allow_new_layout", "export_on_end",
-                       "metrics_out", "report_to")
 PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
 DEFAULT_CONFIGURATIONS = "packed,packed-no-prefix-sharing,padded"
 DEFAULT_MEASURED_STEPS = 4
@@ -308,9 +304,7 @@ class BenchPlan:
 def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: int | None = None) -> BenchPlan:
     """Phase one of the bench: every configuration checked with the model it will measure, before any process group
     (a configuration the layout cannot run is refused here, not after the others were measured)."""
-    cfg = set_aside(cfg, EVAL_SETTINGS, "bench measures training steps only (evaluate a model with 'ds-packdpo eval')")
-    cfg = set_aside(cfg, TRAIN_ONLY_SETTINGS, "bench measures training steps and writes only its report (no "
-                                              "checkpoint, resume, export, metrics file or monitor)")
+    cfg = set_aside_for(cfg, "bench")  # refused when typed, set aside from a recipe (command_settings.py)
     first = prepare(cfg, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
     # first.cfg: the settings as they run (--dtype auto resolved), which the report names

@@ -553,9 +553,30 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls=TrainConfig) -> No
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
+# Settings written as comma-separated lists, and their items' type: a --config file may give them as a list.
+COMMA_LISTS = {"loss": str, "loss_weights": float, "lora_target_modules": str, "report_to": str}
+
+
+def _comma_list(key: str, items: list, item_type: type, source: str) -> str:
+    """A YAML/JSON list (``loss: [sigmoid, sft]``) as the flag's comma-separated text ("sigmoid,sft")."""
+    def fits(item) -> bool:
+        if item_type is float:
+            return isinstance(item, (int, float)) and not isinstance(item, bool)
+        return isinstance(item, str) and bool(item.strip())
+
+    wrong = [item for item in items if not fits(item)]
+    if wrong or not items:
+        what = "numbers" if item_type is float else "names"
+        got = f"{type(wrong[0]).__name__} {wrong[0]!r}" if wrong else "an empty list"
+        raise InputError(f"{source}: key '{key}' must be a comma-separated string or a list of {what}, got {got}")
+    return ",".join(str(item) for item in items)
+
+
 def _coerce(key: str, value, tp: type, source: str):
     if value is None:
         return None
+    if isinstance(value, list) and key.replace("-", "_") in COMMA_LISTS:
+        return _comma_list(key, value, COMMA_LISTS[key.replace("-", "_")], source)
     if tp is bool and isinstance(value, bool):
         return value
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -11,7 +11,7 @@ import yaml
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.precompute_ref import precompute_setup
+from ds_packdpo.precompute_ref import parse_args, precompute_setup
 
 from conftest import DPO_DEMO_PATH
 from test_reference import save_tiny_model
@@ -58,9 +58,14 @@ def test_recipe_passes_phase_one(name, tiny_model, tmp_path, no_launch, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_precomputed_reference_recipe_passes_phase_one(tiny_model, tmp_path):
+def test_precomputed_reference_recipe_passes_phase_one(tiny_model, tmp_path, capfd):
+    """Its first command as its comment gives it: precompute-ref runs the training recipe, setting aside (in one
+    warning) the settings it does not act on."""
     recipe = EXAMPLES / "precomputed_reference.yaml"
-    cfg = parse_train_args(local_flags(recipe, tiny_model, tmp_path))
+    flags = local_flags(recipe, tiny_model, tmp_path)
+    at = flags.index("--output-dir")  # precompute-ref writes --out only: it refuses the flag typed
     out = tmp_path / "ref" / "ref_logps.jsonl"
+    cfg, _ = parse_args([*flags[:at], *flags[at + 2:], "--out", str(out)])
     precompute_setup(cfg, str(out), world_size=2)
     assert not out.exists()
+    assert f"warning: output_dir from --config {recipe}: precompute-ref runs" in capfd.readouterr().err

@@ -107,13 +107,16 @@ def attempt(tmp_path, tokenizer_dir, model_dir, monkeypatch, capsys):  # noqa: F
     for module in (huggingface_hub.constants, datasets.config):  # no hub lookups (a bare --dataset name is one)
         monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    base = ["--output-dir", str(tmp_path / "out"), "--overwrite", "--cache-dir", str(tmp_path / "cache"),
-            "--tokenizer", str(tokenizer_dir), "--max-length", "64", "--synthetic-pairs", "16", "--no-progress"]
+    base = ["--cache-dir", str(tmp_path / "cache"), "--tokenizer", str(tokenizer_dir), "--max-length", "64",
+            "--synthetic-pairs", "16", "--no-progress"]
     count = [0]
 
     def run(command: str, *flags: str) -> tuple[int, str, bool]:
         count[0] += 1
-        extra = ["--out", str(tmp_path / f"ref{count[0]}.jsonl")] if command == "precompute-ref" else []
+        # eval writes no folder, precompute-ref only --out (command_settings.py: they refuse the flags typed)
+        extra = {"eval": [], "precompute-ref": ["--overwrite"]}.get(
+            command, ["--output-dir", str(tmp_path / "out"), "--overwrite"])
+        extra += ["--out", str(tmp_path / f"ref{count[0]}.jsonl")] if command == "precompute-ref" else []
         extra += ["--out", str(tmp_path / f"bench{count[0]}")] if command == "bench" else []
         extra += ["--model", str(model_dir), "--ref-model", str(model_dir)] if command == "eval" else []
         argv = [command, *base, *extra, *flags]
