@@ -35,7 +35,7 @@ import transformers
 from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
-from .command_settings import set_aside_for
+from .command_settings import refused_epilog, set_aside_for
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
 from .console import progress_bar, said_already
 from .data.plan import steps_per_epoch
@@ -98,7 +98,8 @@ class BenchSettings:
 
 
 def bench_parser(prog: str) -> argparse.ArgumentParser:
-    parser = FlagParser(prog=prog, description="Packed vs padded throughput of the DPO step.")
+    parser = FlagParser(prog=prog, description="Packed vs padded throughput of the DPO step.",
+                        epilog=refused_epilog("bench"))
     add_arguments(parser)
     group = parser.add_argument_group("bench")
     group.add_argument("--out", default=BenchSettings.out, help="Report folder (written atomically by rank 0).")
