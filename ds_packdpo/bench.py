@@ -35,7 +35,7 @@ import transformers
 from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
-from .command_settings import refused_epilog, set_aside_for
+from .command_settings import NOT_ACTED_ON, refused_epilog
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
 from .console import progress_bar, said_already
 from .data.plan import steps_per_epoch
@@ -117,7 +117,7 @@ def bench_parser(prog: str) -> argparse.ArgumentParser:
 
 def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> tuple[TrainConfig, BenchSettings]:
     args = bench_parser(prog).parse_args(argv)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, aside=NOT_ACTED_ON["bench"])  # refused typed, set aside from a recipe
     if cfg.max_steps is None:
         cfg = dataclasses.replace(cfg, max_steps=DEFAULT_MEASURED_STEPS)
     settings = BenchSettings(out=args.out, bench_warmup_steps=args.bench_warmup_steps,
@@ -305,7 +305,6 @@ class BenchPlan:
 def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: int | None = None) -> BenchPlan:
     """Phase one of the bench: every configuration checked with the model it will measure, before any process group
     (a configuration the layout cannot run is refused here, not after the others were measured)."""
-    cfg = set_aside_for(cfg, "bench")  # refused when typed, set aside from a recipe (command_settings.py)
     first = prepare(cfg, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
     # first.cfg: the settings as they run (--dtype auto resolved), which the report names

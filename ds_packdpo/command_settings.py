@@ -3,12 +3,14 @@
 eval, precompute-ref and bench take every train flag (so one recipe or command line serves them all), but a
 command honours a setting it accepts or refuses it.  Typed on its command line, a setting it would run without is
 refused in one line before any rank starts; from a --config recipe (written for training) it is set back to its
-default with one ``warning:`` line, so the recipe still runs (:func:`ds_packdpo.config.set_aside`).
+default with one ``warning:`` line, so the recipe still runs: each command's parse hands its entry of
+:data:`NOT_ACTED_ON` to :func:`ds_packdpo.config.config_from_args` (``aside``), which sets them aside before
+validating the rest.
 """
 
 from __future__ import annotations
 
-from .config import TrainConfig, flag, set_aside
+from .config import flag
 
 # The held-out evaluation of a training run (of --eval-fraction or --eval-dataset, every --eval-steps).
 HELD_OUT_SETTINGS = ("eval_dataset", "eval_fraction", "eval_steps", "eval_max_pairs")
@@ -53,14 +55,6 @@ NOT_ACTED_ON: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
 def not_acted_on(command: str) -> tuple[str, ...]:
     """Every setting ``command`` sets aside (field names)."""
     return tuple(name for names, _ in NOT_ACTED_ON[command] for name in names)
-
-
-def set_aside_for(cfg: TrainConfig, command: str) -> TrainConfig:
-    """``cfg`` without the settings ``command`` does not act on: refused when typed, set aside (with a warning) when
-    a --config recipe holds them."""
-    for names, why in NOT_ACTED_ON[command]:
-        cfg = set_aside(cfg, names, why)
-    return cfg
 
 
 def refused_epilog(command: str) -> str:

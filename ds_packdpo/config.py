@@ -654,9 +654,11 @@ def load_config_file(path: str, config_cls=TrainConfig) -> dict:
     return values
 
 
-def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
+def config_from_args(args: argparse.Namespace, config_cls=TrainConfig, aside=()):
     """Merges defaults < config file < command line into a validated config that records which settings the user
-    wrote (``given``)."""
+    wrote (``given``).  ``aside``: (settings, why) of a command that does not act on them (command_settings.py),
+    set aside before validation, so that a training recipe's value for them (a --ref-logps file precompute-ref is
+    about to write) is not judged."""
     values = load_config_file(args.config, config_cls) if getattr(args, "config", None) else {}
     from_file = {k for k, v in values.items() if v is not None}
     for f in flag_fields(config_cls):
@@ -666,6 +668,8 @@ def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
             from_file.discard(f.name)
     values = {k: v for k, v in values.items() if v is not None}  # a null in a file is the default
     cfg = config_cls(**values, given=frozenset(values), from_file=frozenset(from_file))
+    for names, what in aside:
+        cfg = set_aside(cfg, names, what)
     cfg.validate()
     return cfg
 
@@ -700,8 +704,8 @@ def train_parser(prog: str = "ds-packdpo train", description: str = "Packed, ran
     return parser
 
 
-def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train", **texts) -> TrainConfig:
-    return config_from_args(train_parser(prog, **texts).parse_args(argv))
+def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train", aside=(), **texts) -> TrainConfig:
+    return config_from_args(train_parser(prog, **texts).parse_args(argv), aside=aside)
 
 
 def to_dict(cfg) -> dict:

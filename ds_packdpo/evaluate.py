@@ -10,7 +10,7 @@ Rank 0 prints the ``eval_*`` figures as one JSON object.
 
 from __future__ import annotations
 
-from .command_settings import refused_epilog, set_aside_for
+from .command_settings import NOT_ACTED_ON, refused_epilog
 from .config import parse_train_args, train_parser
 from .run.assemble import prepare, start
 from .run.evaluation import evaluate
@@ -28,7 +28,8 @@ def eval_parser(prog: str = "ds-packdpo eval"):
 
 def parse_eval_args(argv: list[str] | None, prog: str = "ds-packdpo eval"):
     """eval's settings: the training flags less those eval does not act on (refused typed, set aside from a recipe)."""
-    return set_aside_for(parse_train_args(argv, prog, description=DESCRIPTION, epilog=refused_epilog("eval")), "eval")
+    return parse_train_args(argv, prog, aside=NOT_ACTED_ON["eval"], description=DESCRIPTION,
+                            epilog=refused_epilog("eval"))
 
 
 def evaluate_model(cfg) -> dict | None:

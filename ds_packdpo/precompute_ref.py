@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .command_settings import refused_epilog, set_aside_for
+from .command_settings import NOT_ACTED_ON, refused_epilog
 from .config import FlagParser, add_arguments, config_from_args
 from .console import progress_bar
 from .data.run_plan import run_plan
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute
     """(settings, --out): the training flags less those precompute-ref does not act on (refused typed, set aside from a
     recipe; bench calls :func:`precompute` with its own)."""
     args = precompute_parser(prog).parse_args(argv)
-    return set_aside_for(config_from_args(args), "precompute-ref"), args.out
+    return config_from_args(args, aside=NOT_ACTED_ON["precompute-ref"]), args.out
 
 
 def precompute_setup(cfg, out: str | None, world_size: int | None = None) -> tuple[Path, RunSetup]:

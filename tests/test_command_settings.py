@@ -98,3 +98,13 @@ def test_each_command_keeps_what_it_acts_on():
     for command, groups in NOT_ACTED_ON.items():
         names = not_acted_on(command)
         assert len(set(names)) == len(names) and set(names) <= set(TrainConfig.__dataclass_fields__), command
+
+
+def test_what_a_command_sets_aside_is_not_judged(model, tmp_path, capsys):
+    """A training recipe that names the --ref-logps file precompute-ref is about to write: set aside before the
+    settings are validated (validated first, the missing file was refused)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"max_length": 64, "ref_logps": str(tmp_path / "ref.jsonl"), "lr": 1.0e-5}))
+    cfg, _ = precompute_ref.parse_args(["--config", str(recipe), "--model", model, "--out", str(tmp_path / "r.jsonl")])
+    assert cfg.ref_logps is None and cfg.lr == TrainConfig().lr and cfg.max_length == 64
+    assert f"warning: lr, ref_logps from --config {recipe}: precompute-ref" in capsys.readouterr().err

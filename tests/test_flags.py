@@ -73,7 +73,7 @@ COMMANDS = {
     "report": (cli.report_parser, _plain(cli.report_parser), ["folder", "--out", "o"]),
 }
 # The settings a command refuses typed (command_settings.py): the flag must be refused, naming it.
-REFUSED = {command: not_acted_on(command) for command in ("precompute-ref", "eval")}
+REFUSED = {command: not_acted_on(command) for command in ("precompute-ref", "eval", "bench")}
 # Flags that need another one to be valid at all (they are given in both command lines).
 CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"],
            "--allow-new-layout": ["--resume", "MODEL"], "--revision": ["--model", "org/hub-model"],
