@@ -35,7 +35,8 @@ import transformers
 from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
-from .config import FlagParser, TrainConfig, add_arguments, config_from_args, set_aside, to_dict
+from .command_settings import NOT_ACTED_ON, refused_epilog
+from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
 from .console import progress_bar, said_already
 from .data.plan import steps_per_epoch
 from .data.run_plan import prompt_groups_of, run_plan
@@ -69,11 +70,6 @@ CONFIGURATIONS: dict[str, dict] = {
     # LoRA adapters on the frozen base; the reference is the policy with its adapters off (no reference engine).
     "packed-lora": {"packing": True, "lora_r": 8},
 }
-# Settings only a training run acts on (its checkpoints, resume, export, metrics file and monitors): the bench measures
-# steps and writes its report alone, so it refuses them instead of running without them.
-EVAL_SETTINGS = ("eval_dataset", "eval_fraction", "eval_steps", "eval_max_pairs")
-TRAIN_ONLY_SETTINGS = ("save_steps", "save_dir", "save_total_limit", "resume", "allow_new_layout", "export_on_end",
-                       "metrics_out", "report_to")
 PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
 DEFAULT_CONFIGURATIONS = "packed,packed-no-prefix-sharing,padded"
 DEFAULT_MEASURED_STEPS = 4
@@ -102,7 +98,8 @@ class BenchSettings:
 
 
 def bench_parser(prog: str) -> argparse.ArgumentParser:
-    parser = FlagParser(prog=prog, description="Packed vs padded throughput of the DPO step.")
+    parser = FlagParser(prog=prog, description="Packed vs padded throughput of the DPO step.",
+                        epilog=refused_epilog("bench"))
     add_arguments(parser)
     group = parser.add_argument_group("bench")
     group.add_argument("--out", default=BenchSettings.out, help="Report folder (written atomically by rank 0).")
@@ -120,7 +117,7 @@ def bench_parser(prog: str) -> argparse.ArgumentParser:
 
 def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> tuple[TrainConfig, BenchSettings]:
     args = bench_parser(prog).parse_args(argv)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, aside=NOT_ACTED_ON["bench"])  # refused typed, set aside from a recipe
     if cfg.max_steps is None:
         cfg = dataclasses.replace(cfg, max_steps=DEFAULT_MEASURED_STEPS)
     settings = BenchSettings(out=args.out, bench_warmup_steps=args.bench_warmup_steps,
@@ -308,9 +305,6 @@ class BenchPlan:
 def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: int | None = None) -> BenchPlan:
     """Phase one of the bench: every configuration checked with the model it will measure, before any process group
     (a configuration the layout cannot run is refused here, not after the others were measured)."""
-    cfg = set_aside(cfg, EVAL_SETTINGS, "bench measures training steps only (evaluate a model with 'ds-packdpo eval')")
-    cfg = set_aside(cfg, TRAIN_ONLY_SETTINGS, "bench measures training steps and writes only its report (no "
-                                              "checkpoint, resume, export, metrics file or monitor)")
     first = prepare(cfg, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
     # first.cfg: the settings as they run (--dtype auto resolved), which the report names

@@ -26,7 +26,7 @@ from .data.prepare import prepare_pairs, run_prepare
 from .data.run_plan import checked_plan_config, prompt_groups_of, run_plan
 from .data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from .errors import InputError, PeerFailureError, StoppedError, run_guarded
-from .files import check_output_file
+from .files import check_output_file, check_output_folder
 from .run.build_lock import remove_stale_locks
 from .run.launch_group import LaunchOutcome, run_launcher
 from .run.layout import ParallelLayout, free_port
@@ -393,6 +393,7 @@ def cmd_report(argv: list[str]) -> int:
     def job() -> int:
         from .report import merge_reports, write_merged
 
+        check_output_folder(args.out, "--out", args.overwrite, reads=args.folders)
         write_merged(merge_reports(args.folders), Path(args.out), overwrite=args.overwrite)
         print(Path(args.out) / "report.md")
         return 0

@@ -553,9 +553,30 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls=TrainConfig) -> No
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
+# Settings written as comma-separated lists, and their items' type: a --config file may give them as a list.
+COMMA_LISTS = {"loss": str, "loss_weights": float, "lora_target_modules": str, "report_to": str}
+
+
+def _comma_list(key: str, items: list, item_type: type, source: str) -> str:
+    """A YAML/JSON list (``loss: [sigmoid, sft]``) as the flag's comma-separated text ("sigmoid,sft")."""
+    def fits(item) -> bool:
+        if item_type is float:
+            return isinstance(item, (int, float)) and not isinstance(item, bool)
+        return isinstance(item, str) and bool(item.strip())
+
+    wrong = [item for item in items if not fits(item)]
+    if wrong or not items:
+        what = "numbers" if item_type is float else "names"
+        got = f"{type(wrong[0]).__name__} {wrong[0]!r}" if wrong else "an empty list"
+        raise InputError(f"{source}: key '{key}' must be a comma-separated string or a list of {what}, got {got}")
+    return ",".join(str(item) for item in items)
+
+
 def _coerce(key: str, value, tp: type, source: str):
     if value is None:
         return None
+    if isinstance(value, list) and key.replace("-", "_") in COMMA_LISTS:
+        return _comma_list(key, value, COMMA_LISTS[key.replace("-", "_")], source)
     if tp is bool and isinstance(value, bool):
         return value
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -633,9 +654,11 @@ def load_config_file(path: str, config_cls=TrainConfig) -> dict:
     return values
 
 
-def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
+def config_from_args(args: argparse.Namespace, config_cls=TrainConfig, aside=()):
     """Merges defaults < config file < command line into a validated config that records which settings the user
-    wrote (``given``)."""
+    wrote (``given``).  ``aside``: (settings, why) of a command that does not act on them (command_settings.py),
+    set aside before validation, so that a training recipe's value for them (a --ref-logps file precompute-ref is
+    about to write) is not judged."""
     values = load_config_file(args.config, config_cls) if getattr(args, "config", None) else {}
     from_file = {k for k, v in values.items() if v is not None}
     for f in flag_fields(config_cls):
@@ -645,6 +668,8 @@ def config_from_args(args: argparse.Namespace, config_cls=TrainConfig):
             from_file.discard(f.name)
     values = {k: v for k, v in values.items() if v is not None}  # a null in a file is the default
     cfg = config_cls(**values, given=frozenset(values), from_file=frozenset(from_file))
+    for names, what in aside:
+        cfg = set_aside(cfg, names, what)
     cfg.validate()
     return cfg
 
@@ -679,8 +704,8 @@ def train_parser(prog: str = "ds-packdpo train", description: str = "Packed, ran
     return parser
 
 
-def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train", **texts) -> TrainConfig:
-    return config_from_args(train_parser(prog, **texts).parse_args(argv))
+def parse_train_args(argv: list[str] | None = None, prog: str = "ds-packdpo train", aside=(), **texts) -> TrainConfig:
+    return config_from_args(train_parser(prog, **texts).parse_args(argv), aside=aside)
 
 
 def to_dict(cfg) -> dict:

@@ -10,6 +10,7 @@ Rank 0 prints the ``eval_*`` figures as one JSON object.
 
 from __future__ import annotations
 
+from .command_settings import NOT_ACTED_ON, refused_epilog
 from .config import parse_train_args, train_parser
 from .run.assemble import prepare, start
 from .run.evaluation import evaluate
@@ -22,11 +23,13 @@ DESCRIPTION = ("A trained (or exported) policy evaluated against its reference, 
 
 
 def eval_parser(prog: str = "ds-packdpo eval"):
-    return train_parser(prog, description=DESCRIPTION, epilog=None)
+    return train_parser(prog, description=DESCRIPTION, epilog=refused_epilog("eval"))
 
 
 def parse_eval_args(argv: list[str] | None, prog: str = "ds-packdpo eval"):
-    return parse_train_args(argv, prog, description=DESCRIPTION, epilog=None)
+    """eval's settings: the training flags less those eval does not act on (refused typed, set aside from a recipe)."""
+    return parse_train_args(argv, prog, aside=NOT_ACTED_ON["eval"], description=DESCRIPTION,
+                            epilog=refused_epilog("eval"))
 
 
 def evaluate_model(cfg) -> dict | None:

@@ -96,6 +96,21 @@ def check_creatable_folder(path, flag: str, named=None) -> None:
         raise InputError(f"{flag} {named}: cannot write there{where}: {error.strerror}") from None
 
 
+def check_output_folder(path, flag: str, overwrite: bool, reads=()) -> None:
+    """A folder written whole beside itself and renamed into place (:func:`atomic_folder`), checked before any work:
+    neither one of the paths the command reads (``reads``) nor a folder holding one (--overwrite replaced a bench
+    folder with its own report), not a file, empty unless ``overwrite``, beside a folder this process can write in."""
+    path = Path(path)
+    for source in reads:
+        if path.resolve() == Path(source).resolve() or path.resolve() in Path(source).resolve().parents:
+            raise InputError(f"{flag} {path}: would replace {source}, which this command reads; write elsewhere")
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{flag} {path}: exists and is not a folder")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise InputError(f"{flag} {path}: folder is not empty (pass --overwrite to replace it)")
+    check_creatable_folder(path.parent, flag, named=path)  # the folder is filled beside it, then renamed
+
+
 def check_output_file(path, flag: str, overwrite: bool) -> None:
     """An output file's path, checked before any work: not a folder, in a folder, no silent overwrite."""
     path = Path(path)

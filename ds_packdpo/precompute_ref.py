@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .command_settings import NOT_ACTED_ON, refused_epilog
 from .config import FlagParser, add_arguments, config_from_args
 from .console import progress_bar
 from .data.run_plan import run_plan
@@ -26,7 +27,8 @@ from .run.reference import RECORD_KEYS, check_output_path, reference_fingerprint
 
 def precompute_parser(prog: str = "ds-packdpo precompute-ref") -> FlagParser:
     parser = FlagParser(prog=prog, description="Reference log-probs of every pair, computed once, "
-                                     "for 'ds-packdpo train --ref-logps FILE'. Takes the training flags.")
+                                     "for 'ds-packdpo train --ref-logps FILE'. Takes the training flags.",
+                        epilog=refused_epilog("precompute-ref"))
     add_arguments(parser)
     parser.add_argument("--out", default=None, help="The file to write: FILE.jsonl (or FILE.parquet), "
                         "with its fingerprint in FILE.meta.json.")
@@ -34,8 +36,10 @@ def precompute_parser(prog: str = "ds-packdpo precompute-ref") -> FlagParser:
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute-ref"):
+    """(settings, --out): the training flags less those precompute-ref does not act on (refused typed, set aside from a
+    recipe; bench calls :func:`precompute` with its own)."""
     args = precompute_parser(prog).parse_args(argv)
-    return config_from_args(args), args.out
+    return config_from_args(args, aside=NOT_ACTED_ON["precompute-ref"]), args.out
 
 
 def precompute_setup(cfg, out: str | None, world_size: int | None = None) -> tuple[Path, RunSetup]:

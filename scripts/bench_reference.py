@@ -76,7 +76,7 @@ def main() -> None:
     tiny_config(vocab_size=args.vocab, hidden_size=args.hidden, layers=args.layers).to_json_file(model_config)
     common = ["--model-config", str(model_config), "--synthetic-pairs", str(args.pairs), "--max-length",
               str(args.max_length), "--max-tokens-per-row", str(args.max_tokens_per_row), "--global-batch-pairs",
-              str(args.global_batch_pairs), "--dtype", "fp32", "--lr", "1e-4", "--cache-dir", str(out / "cache"),
+              str(args.global_batch_pairs), "--dtype", "fp32", "--cache-dir", str(out / "cache"),
               "--no-progress", "--overwrite"]
     ref = out / "reference.jsonl"
     precompute_rss = launch("ds_packdpo.precompute_ref", args.procs, ["--out", str(ref), *common])
@@ -86,7 +86,7 @@ def main() -> None:
         run_dir = out / name
         flags = [str(ref) if f == "REF" else f for f in flags]
         rss = launch("ds_packdpo.train", args.procs, ["--output-dir", str(run_dir), "--max-steps", str(args.steps),
-                                                      *common, *flags])
+                                                      "--lr", "1e-4", *common, *flags])
         steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         report[name] = {
             "median_step_time_s": statistics.median(s["step_time_s"] for s in steps[1:]),

@@ -27,8 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DEEPSPEED = str(BIN / "deepspeed")
 # A small fp32 run: 48 synthetic pairs, 12 per optimizer step, 3 steps (~20-25 s on 2 ranks).
-SMALL_RUN = ["--synthetic-pairs", "48", "--global-batch-pairs", "12", "--max-length", "96", "--max-steps", "3",
-             "--lr", "1e-3", "--dtype", "fp32", "--no-progress", "--overwrite"]
+# The data and layout of a small run (what precompute-ref acts on too), and its training.
+SMALL_DATA = ["--synthetic-pairs", "48", "--global-batch-pairs", "12", "--max-length", "96", "--dtype", "fp32",
+              "--no-progress", "--overwrite"]
+SMALL_RUN = [*SMALL_DATA, "--max-steps", "3", "--lr", "1e-3"]
 
 
 def cpu_env(**extra: str) -> dict:

@@ -501,11 +501,10 @@ def test_bench_says_each_data_warning_once(tmp_path, capfd):
 def test_bench_refuses_what_only_training_does(tmp_path, flags):
     """A bench ran --save-steps, --export-on-end, --resume, --report-to or --metrics-out without a word and without
     doing them (it runs DPOTrainer.train_step alone): refused in phase one, one line naming them."""
-    cfg, settings = bench.parse_bench_args(["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8",
-                                            "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir",
-                                            str(tmp_path / "cache"), "--out", str(tmp_path / "b"), *flags])
     with pytest.raises(InputError, match="bench measures training steps and writes only its report") as refused:
-        bench.check_configurations(cfg, settings, world_size=1)
+        bench.parse_bench_args(["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8",
+                                "--max-steps", "2", "--bench-warmup-steps", "1", "--cache-dir",
+                                str(tmp_path / "cache"), "--out", str(tmp_path / "b"), *flags])
     assert all(flag in str(refused.value) for flag in flags if flag.startswith("--"))
 
 

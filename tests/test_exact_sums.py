@@ -99,8 +99,8 @@ def test_precomputed_sums_and_live_loss_equal_fp64_plain_hf_at_16k_tokens(tmp_pa
     flags = ["--model", str(policy), "--ref-model", str(reference), "--dataset",
              str(long_pairs_dataset(tmp_path / "long.jsonl")), "--cache-dir", str(tmp_path / "cache"),
              "--max-length", str(MAX_LENGTH), "--max-tokens-per-row", str(2 * MAX_LENGTH + 64),
-             "--global-batch-pairs", "3", "--max-steps", "1", "--lr", "1e-3", "--dtype", "fp32", "--no-progress",
-             "--overwrite"]
+             "--global-batch-pairs", "3", "--dtype", "fp32", "--no-progress", "--overwrite"]
+    training = ["--max-steps", "1", "--lr", "1e-3"]  # precompute-ref refuses them (it trains nothing)
     out = tmp_path / "ref.parquet"
     run(ranks_module(1, "ds_packdpo.precompute_ref", "--out", str(out), *flags))
     assert all(pa.types.is_float64(pq.read_schema(out).field(k).type) for k in ("chosen_logps", "rejected_logps"))
@@ -117,7 +117,7 @@ def test_precomputed_sums_and_live_loss_equal_fp64_plain_hf_at_16k_tokens(tmp_pa
             assert abs(got - expected) <= (1e-5 if tokens <= 600 else 1e-4), (tokens, got, expected)
     assert min(lengths) >= 500 and max(lengths) >= 16000 and len(lengths) == 6, lengths
 
-    run(ranks_module(1, "ds_packdpo.train", "--output-dir", str(tmp_path / "train"), *flags))
+    run(ranks_module(1, "ds_packdpo.train", "--output-dir", str(tmp_path / "train"), *flags, *training))
     (step,) = read_metrics(tmp_path / "train" / "metrics.jsonl")
     expected = dpo_loss(fp64_sums(flags, policy), want, beta=0.1)
     assert 1e-3 < expected and step["pairs"] == 3

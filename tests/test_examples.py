@@ -10,8 +10,10 @@ import pytest
 import yaml
 
 from ds_packdpo import cli
-from ds_packdpo.config import parse_train_args
-from ds_packdpo.precompute_ref import precompute_setup
+from ds_packdpo.command_settings import not_acted_on
+from ds_packdpo.config import TrainConfig, parse_train_args
+from ds_packdpo.evaluate import parse_eval_args
+from ds_packdpo.precompute_ref import parse_args, precompute_setup
 
 from conftest import DPO_DEMO_PATH
 from test_reference import save_tiny_model
@@ -58,9 +60,33 @@ def test_recipe_passes_phase_one(name, tiny_model, tmp_path, no_launch, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_precomputed_reference_recipe_passes_phase_one(tiny_model, tmp_path):
+def test_precomputed_reference_recipe_passes_phase_one(tiny_model, tmp_path, capfd):
+    """Its first command as its comment gives it: precompute-ref runs the training recipe, setting aside (in one
+    warning) the settings it does not act on."""
     recipe = EXAMPLES / "precomputed_reference.yaml"
-    cfg = parse_train_args(local_flags(recipe, tiny_model, tmp_path))
+    flags = local_flags(recipe, tiny_model, tmp_path)
+    at = flags.index("--output-dir")  # precompute-ref writes --out only: it refuses the flag typed
     out = tmp_path / "ref" / "ref_logps.jsonl"
+    cfg, _ = parse_args([*flags[:at], *flags[at + 2:], "--out", str(out)])
     precompute_setup(cfg, str(out), world_size=2)
     assert not out.exists()
+    assert f"warning: output_dir from --config {recipe}: precompute-ref runs" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(WORLD))
+def test_training_recipes_run_with_eval_and_precompute_ref(name, tiny_model, tmp_path, capfd):
+    """A training recipe given to eval or precompute-ref: the settings the command does not act on (the recipe's
+    lr, save_steps, eval_steps, lora_r ...) are set aside in one warning, never refused."""
+    recipe = EXAMPLES / name
+    flags = local_flags(recipe, tiny_model, tmp_path)
+    at = flags.index("--output-dir")  # both refuse it typed: eval writes no folder, precompute-ref only --out
+    flags = flags[:at] + flags[at + 2:]
+    settings = yaml.safe_load(recipe.read_text())
+    for command, parse in (("eval", lambda: parse_eval_args([*flags, "--ref-model", str(tiny_model)])),
+                           ("precompute-ref", lambda: parse_args([*flags, "--out", str(tmp_path / "ref.jsonl")])[0])):
+        cfg = parse()
+        defaults = TrainConfig()
+        aside = [key for key in not_acted_on(command) if key in settings and settings[key] != getattr(defaults, key)]
+        assert aside and f"warning: {', '.join(aside)} from --config {recipe}: {command} " in capfd.readouterr().err
+        assert all(getattr(cfg, key) == getattr(defaults, key) for key in aside)
+        assert cfg.max_length == settings["max_length"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 from pathlib import Path
 
 import datasets
@@ -107,13 +108,16 @@ def attempt(tmp_path, tokenizer_dir, model_dir, monkeypatch, capsys):  # noqa: F
     for module in (huggingface_hub.constants, datasets.config):  # no hub lookups (a bare --dataset name is one)
         monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    base = ["--output-dir", str(tmp_path / "out"), "--overwrite", "--cache-dir", str(tmp_path / "cache"),
-            "--tokenizer", str(tokenizer_dir), "--max-length", "64", "--synthetic-pairs", "16", "--no-progress"]
+    base = ["--cache-dir", str(tmp_path / "cache"), "--tokenizer", str(tokenizer_dir), "--max-length", "64",
+            "--synthetic-pairs", "16", "--no-progress"]
     count = [0]
 
     def run(command: str, *flags: str) -> tuple[int, str, bool]:
         count[0] += 1
-        extra = ["--out", str(tmp_path / f"ref{count[0]}.jsonl")] if command == "precompute-ref" else []
+        # eval writes no folder, precompute-ref only --out (command_settings.py: they refuse the flags typed)
+        extra = {"eval": [], "precompute-ref": ["--overwrite"]}.get(
+            command, ["--output-dir", str(tmp_path / "out"), "--overwrite"])
+        extra += ["--out", str(tmp_path / f"ref{count[0]}.jsonl")] if command == "precompute-ref" else []
         extra += ["--out", str(tmp_path / f"bench{count[0]}")] if command == "bench" else []
         extra += ["--model", str(model_dir), "--ref-model", str(model_dir)] if command == "eval" else []
         argv = [command, *base, *extra, *flags]
@@ -181,3 +185,72 @@ def test_an_output_path_the_os_refuses_is_refused_in_phase_one(attempt, command,
     assert not launched and code == 2
     assert err.strip().splitlines()[-1].startswith(f"error: {flag} /proc/ds_packdpo_fuzz"), err
     assert "cannot write there (in /proc)" in err
+
+
+# export, report and verify-checkpoint start no rank: bad arguments of each kind (a missing or wrong folder, a value
+# of the wrong type or out of range, an output that would replace an input), each with what the one line must name.
+# ``report BENCH --out /proc/...`` ended in a traceback, and ``--out`` naming (or holding) an input with --overwrite
+# replaced a bench folder with its own report.
+NO_RANK_CASES = [
+    ("export", ["--checkpoint", "missing", "--out", "hf"], "--checkpoint missing: no such checkpoint folder"),
+    ("export", ["--checkpoint", "empty", "--out", "hf"], "--checkpoint empty: neither a checkpoint"),
+    ("export", ["--checkpoint", "afile", "--out", "hf"], "--checkpoint afile: neither a checkpoint"),
+    ("export", ["--checkpoint", "junk", "--out", "hf"], "--checkpoint junk: no manifest.json"),
+    ("export", ["--checkpoint", "empty", "--out", "hf", "--dtype", "fp16"], "--dtype: invalid choice: 'fp16'"),
+    ("export", ["--checkpoint", "empty", "--out", "hf", "--max-shard-size", "0GB"], "--max-shard-size 0GB: must be"),
+    ("export", ["--checkpoint", "empty", "--out", "hf", "--max-shard-size", "lots"],
+     "--max-shard-size lots: not a size"),
+    ("export", ["--checkpoint", "empty", "--out", "afile"], "--out afile: exists and is not a folder"),
+    ("export", ["--checkpoint", "empty", "--out", "full"], "--out full: folder is not empty (pass --overwrite"),
+    ("export", ["--checkpoint", "empty", "--out", "/proc/ds_packdpo_fuzz/x"], "--out /proc/ds_packdpo_fuzz/x: cannot"),
+    ("export", ["--checkpoint", "junk", "--out", ".", "--overwrite"], "--out .: would replace junk, which this"),
+    ("export", ["--out", "hf"], "the following arguments are required: --checkpoint"),
+    ("report", ["missing", "--out", "r"], "report missing: no report.json"),
+    ("report", ["empty", "--out", "r"], "report empty: no report.json"),
+    ("report", ["junk", "--out", "r"], "report junk: no report.json"),
+    ("report", ["not_json", "--out", "r"], "not_json/report.json: not valid JSON"),
+    ("report", ["bench", "--out", "/proc/ds_packdpo_fuzz/x"], "--out /proc/ds_packdpo_fuzz/x: cannot write there"),
+    ("report", ["bench", "--out", "bench", "--overwrite"], "--out bench: would replace bench, which this command"),
+    ("report", ["bench", "--out", ".", "--overwrite"], "--out .: would replace bench"),
+    ("report", ["bench", "--out", "afile", "--overwrite"], "--out afile: exists and is not a folder"),
+    ("report", ["bench", "--out", "full"], "--out full: folder is not empty (pass --overwrite"),
+    ("report", ["bench"], "the following arguments are required: --out"),
+    ("report", ["--out", "r"], "the following arguments are required: folders"),
+    ("verify-checkpoint", ["missing"], "verify-checkpoint missing: no such checkpoint folder"),
+    ("verify-checkpoint", ["afile"], "verify-checkpoint afile: no such checkpoint folder"),
+    ("verify-checkpoint", ["empty"], "verify-checkpoint empty: neither a checkpoint"),
+    ("verify-checkpoint", ["junk"], "verify-checkpoint junk: no intact checkpoint (junk: DAMAGED: no manifest.json"),
+    ("verify-checkpoint", [], "the following arguments are required: folder"),
+    ("verify-checkpoint", ["empty", "--overwrite"], "unrecognized arguments: --overwrite"),
+]
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("command, args, named", NO_RANK_CASES,
+                         ids=[f"{c}-{'-'.join(a) or 'none'}" for c, a, _ in NO_RANK_CASES])
+def test_commands_without_ranks_refuse_bad_arguments_in_one_line_and_write_nothing(command, args, named, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """Exit 2 (docs/troubleshooting.md: bad input; verify-checkpoint: none intact) with one line ``error: ...``
+    naming the argument, no traceback, and the folder as it was."""
+    monkeypatch.chdir(tmp_path)
+    for folder in ("empty", "full", "junk", "not_json", "bench"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "full" / "kept.txt").write_text("x")
+    (tmp_path / "junk" / "ds_packdpo_state.json").write_text("{bad")  # no manifest: a save that did not finish
+    (tmp_path / "not_json" / "report.json").write_text("{bad")
+    shutil.copy(Path(__file__).resolve().parent.parent / "docs" / "bench_prefix_report.json",
+                tmp_path / "bench" / "report.json")
+    before = _tree(tmp_path)
+    try:
+        code = cli.main([command, *args])
+    except SystemExit as exit_:  # argparse: a missing argument, a value of the wrong type or no choice
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], (code, err)
+    assert _tree(tmp_path) == before

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ds_packdpo import bench, cli, precompute_ref
+from ds_packdpo import bench, cli, evaluate, precompute_ref
 from ds_packdpo import config as config_module
+from ds_packdpo.command_settings import not_acted_on
+from ds_packdpo.errors import InputError
 from ds_packdpo.config import TrainConfig, config_from_args, flag_fields, parse_train_args, train_parser
 
 
@@ -50,6 +52,10 @@ def _precompute_ref(argv):
     return {**to_dict(cfg), "out": out}
 
 
+def _eval(argv):
+    return to_dict(evaluate.parse_eval_args(argv))
+
+
 def _plain(parser_fn):
     return lambda argv: vars(parser_fn().parse_args(argv))
 
@@ -59,12 +65,15 @@ COMMANDS = {
     "train": (train_parser, _train, []),
     "bench": (lambda: bench.bench_parser("ds-packdpo bench"), _bench, []),
     "precompute-ref": (None, _precompute_ref, []),
+    "eval": (evaluate.eval_parser, _eval, []),
     "prepare": (cli.prepare_parser, _data_command(cli.prepare_parser), []),
     "pack-stats": (cli.pack_stats_parser, _data_command(cli.pack_stats_parser), []),
     "check": (cli.check_parser, _data_command(cli.check_parser), []),
     "export": (cli.export_parser, _plain(cli.export_parser), ["--checkpoint", "c", "--out", "o"]),
     "report": (cli.report_parser, _plain(cli.report_parser), ["folder", "--out", "o"]),
 }
+# The settings a command refuses typed (command_settings.py): the flag must be refused, naming it.
+REFUSED = {command: not_acted_on(command) for command in ("precompute-ref", "eval", "bench")}
 # Flags that need another one to be valid at all (they are given in both command lines).
 CONTEXT = {"--ref-model": ["--model", "MODEL"], "--save-total-limit": ["--save-steps", "1"],
            "--allow-new-layout": ["--resume", "MODEL"], "--revision": ["--model", "org/hub-model"],
@@ -138,6 +147,14 @@ def test_every_flag_changes_exactly_what_it_names(command, values):
         if flag in base_argv:  # a required option: its variant replaces the base command line's value
             at = base_argv.index(flag)
             base_value, base_argv = base_argv[at:at + 2], base_argv[:at] + base_argv[at + 2:]
+        if field in REFUSED.get(command, ()):  # honoured or refused, never ignored: refused, naming the flag
+            for variant in _variants(action, getattr(TrainConfig(), field), values):
+                if variant[0].startswith("--no-"):
+                    continue  # the spelling of the default
+                with pytest.raises(InputError, match=f"^(--[a-z0-9-]+, )*{flag}(, --[a-z0-9-]+)*: {command} "):
+                    parse([*base_argv, *variant])
+            walked.add(field)
+            continue
         base = parse([*base_argv, *base_value])
         for variant in _variants(action, base[field], values):
             got = parse([*base_argv, *variant])
@@ -149,7 +166,7 @@ def test_every_flag_changes_exactly_what_it_names(command, values):
             if isinstance(action, argparse.BooleanOptionalAction):
                 assert got[field] is (not variant[0].startswith("--no-")), (command, variant)
         walked.add(field)
-    if command in ("train", "bench", "precompute-ref", "prepare", "pack-stats", "check"):
+    if command in ("train", "bench", "precompute-ref", "eval", "prepare", "pack-stats", "check"):
         # every setting of the run has a flag, and every one was walked
         assert {f.name for f in flag_fields(TrainConfig)} <= walked
 
@@ -188,6 +205,27 @@ def test_yaml_recipe_and_run_config_round_trip(tmp_path):
         again = parse_train_args(["--config", str(run_config)])
         assert config_module.to_dict(again) == saved
         assert {name for name, value in saved.items() if value is not None} <= again.given
+
+
+def test_a_recipe_may_write_a_comma_list_as_a_yaml_list(tmp_path):
+    """loss: [sigmoid, sft] was refused ('must be str, got list'): a list is the comma-separated text, item by item;
+    a list of the wrong items is refused in one line naming the key."""
+    def parse(text: str) -> TrainConfig:
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(text)
+        return parse_train_args(["--config", str(recipe)])
+
+    as_lists = parse("loss: [sigmoid, sft]\nloss_weights: [1.0, 0.5]\nlora_r: 4\nlora_target_modules: [q_proj, "
+                     "v_proj]\nreport_to: [csv, tensorboard]\n")
+    as_text = parse("loss: sigmoid,sft\nloss_weights: '1.0,0.5'\nlora_r: 4\nlora_target_modules: q_proj,v_proj\n"
+                    "report_to: csv,tensorboard\n")
+    assert as_lists == as_text and as_lists.loss == "sigmoid,sft" and as_lists.loss_weights == "1.0,0.5"
+    assert as_lists.loss_config().loss_weights == (1.0, 0.5) and as_lists.monitors == ["csv", "tensorboard"]
+    for text, got in (("loss_weights: [1.0, yes]", "bool True"), ("loss: [sigmoid, 3]", "int 3"),
+                      ("loss: []", "an empty list"), ("report_to: [csv, '']", "str ''")):
+        with pytest.raises(InputError, match=f"key '{text.split(':')[0]}' must be a comma-separated string or a "
+                                             f"list of .*, got {got}$"):
+            parse(text + "\n")
 
 
 def test_commands_parsers_are_the_ones_main_uses():

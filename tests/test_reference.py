@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import SMALL_RUN, ranks_module, ranks_script, read_metrics, run
+from launching import SMALL_DATA, SMALL_RUN, ranks_module, ranks_script, read_metrics, run
 
 from ds_packdpo.config import parse_train_args
 
@@ -75,7 +75,7 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
     model = save_tiny_model(tmp_path / "model", seed=0)
     cache = ["--cache-dir", str(tmp_path / "cache"), "--model", str(model)]
     out = tmp_path / "ref" / "reference.jsonl"
-    run(ranks_module(2, "ds_packdpo.precompute_ref", "--out", str(out), *cache, *BUDGET, *SMALL_RUN))
+    run(ranks_module(2, "ds_packdpo.precompute_ref", "--out", str(out), *cache, *BUDGET, *SMALL_DATA))
 
     # 1. the file: one line per pair, the same pair ids as `prepare --out`, values of an independent padded forward
     records = [json.loads(line) for line in out.read_text().splitlines()]

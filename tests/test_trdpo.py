@@ -185,14 +185,15 @@ def test_sync_needs_a_reference_of_the_policys_architecture(tmp_path, train_fron
 
 
 def test_only_train_mixes_the_reference(tmp_path, no_launch, capsys, demo_tokenizer):
-    """bench, eval and precompute-ref run a fixed reference: --sync-ref-model is refused there in phase one."""
+    """bench, eval and precompute-ref run a fixed reference: --sync-ref-model is refused there in phase one (eval and
+    precompute-ref train nothing: command_settings.py)."""
     model = save_tiny_model(tmp_path / "model", demo_tokenizer)
-    for argv in (["bench", "--out", str(tmp_path / "bench")],
-                 ["eval", "--model", model, "--ref-model", model],
-                 ["precompute-ref", "--out", str(tmp_path / "ref.jsonl")]):
+    for argv, why in ((["bench", "--out", str(tmp_path / "bench")], "bench runs a fixed reference"),
+                      (["eval", "--model", model, "--ref-model", model], "eval runs forward only"),
+                      (["precompute-ref", "--out", str(tmp_path / "ref.jsonl")], "precompute-ref runs the reference")):
         assert cli.main([*argv, "--synthetic-pairs", "16", "--cache-dir", str(tmp_path / "cache"),
                          "--sync-ref-model"]) == 2
-        assert_one_line_error(2, capsys.readouterr().err, f"--sync-ref-model: {argv[0]} runs a fixed reference")
+        assert_one_line_error(2, capsys.readouterr().err, f"--sync-ref-model: {why}")
         assert not (tmp_path / "bench").exists() and not (tmp_path / "ref.jsonl").exists()
 
 

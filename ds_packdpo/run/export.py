@@ -26,20 +26,12 @@ from transformers import AutoConfig, AutoTokenizer
 
 from ..config import DTYPES
 from ..errors import InputError, first_line
-from ..files import check_creatable_folder
+from ..files import check_output_folder
 from ..model.build import TORCH_DTYPES
 from ..model.hf_folder import DEFAULT_MAX_SHARD_SIZE, WeightsSource, shard_size_bytes, write_hf_folder
 from ..model.lora import ADAPTER_CONFIG_FILE, merged_weights, write_adapter_folder
 from .checkpoint import HF_FOLDER, resolve_checkpoint
 from .safe_load import weights_only_loading
-
-
-def check_export_target(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise InputError(f"--out {out}: folder is not empty (pass --overwrite to replace it)")
-    check_creatable_folder(out.parent, "--out", named=out)  # the folder is filled beside it, then renamed
 
 
 def unreadable_shard(tag_dir: Path) -> Path | None:
@@ -95,7 +87,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     Hugging Face folder), or with ``adapter_only`` as a peft adapter folder.
     """
     out = Path(out)
-    check_export_target(out, overwrite)
+    check_output_folder(out, "--out", overwrite, reads=[checkpoint])
     shard_size_bytes(max_shard_size)
     tag_dir, state = resolve_checkpoint(checkpoint, "--checkpoint")
     dtype = dtype or state["dtype"]
