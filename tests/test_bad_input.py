@@ -199,6 +199,9 @@ BAD_CONFIGS = {
                                           "model.json: unreadable model config"),
     "precomputed reference without its fingerprint": (lambda d: ["--ref-logps", str(_written(d / "ref.jsonl", ""))],
                                                       "ref.jsonl: no fingerprint file ref.jsonl.meta.json beside it"),
+    "checkpoints inside the export folder": (  # was refused by the export, once the whole run had trained
+        lambda d: ["--export-on-end", "--save-dir", str(d / "out" / "hf_model" / "checkpoints")],
+        "out/hf_model, which --export-on-end replaces with the model exported from it; save elsewhere"),
     # the LR schedule and held-out evaluation
     "warm-up steps and ratio": (lambda d: ["--warmup-steps", "2", "--warmup-ratio", "0.1"],
                                 "--warmup-steps and --warmup-ratio are exclusive; give one"),

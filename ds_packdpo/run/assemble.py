@@ -42,7 +42,7 @@ from ..model.logps import AUTO_CHUNK, SequenceLogps, TokenWeighting, forward_log
 from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
 from ..model.losses import LossConfig
 from ..model.prefix_attention import PREFIX_FLASH
-from .checkpoint import ResumePoint, check_resume, resumes_in_place
+from .checkpoint import ResumePoint, check_resume, export_on_end_dir, resolved_save_dir, resumes_in_place
 from .engines import (build_evaluated_policy, build_policy, build_reference, fill_ds_config, load_ds_config, load_model,
                       model_config, reference_ds_config, reference_model_config, zero_stage)
 from .evaluation import HeldOut, held_out_set
@@ -117,6 +117,10 @@ def check_output_dir(cfg: TrainConfig) -> None:
                              "resume; pass --overwrite to write into it")
         raise InputError(f"--output-dir {out}: folder is not empty (pass --overwrite to write into it, or "
                          "--resume auto to continue the run saved there)")
+    export, save = export_on_end_dir(cfg).resolve(), resolved_save_dir(cfg).resolve()
+    if cfg.export_on_end and (save == export or export in save.parents):  # said at the end, after the training
+        raise InputError(f"--save-dir {cfg.save_dir}: inside {export_on_end_dir(cfg)}, which --export-on-end replaces "
+                         f"with the model exported from it; save elsewhere")
 
 
 def prefix_sharing_obstacle(attn: str, sp_size: int, device_type: str, dtype: str) -> str | None:

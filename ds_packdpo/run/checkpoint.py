@@ -89,6 +89,11 @@ def resolved_save_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.save_dir) if cfg.save_dir else Path(cfg.output_dir) / "checkpoints"
 
 
+def export_on_end_dir(cfg: TrainConfig) -> Path:
+    """The Hugging Face folder --export-on-end writes (replacing it) once the run has ended."""
+    return Path(cfg.output_dir) / "hf_model"
+
+
 def plan_fingerprint(cfg: TrainConfig, data_fingerprint: str) -> str:
     """What decides which pairs make up step s: the data (content, tokenizer, truncation) and the plan settings.
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from ..errors import PeerFailureError, RunAbortedError, TooManyBadStepsError, fi
 from ..model.losses import global_normalized_loss, metric_means, metric_sums, pair_losses
 from . import faults, stop
 from .assemble import Run, RunSetup, prepare, start
-from .checkpoint import Checkpointer, ResumePoint, resolved_save_dir, tag_name
+from .checkpoint import Checkpointer, ResumePoint, export_on_end_dir, resolved_save_dir, tag_name
 from .evaluation import due as evaluation_due
 from .evaluation import evaluate
 from .export import export_checkpoint
@@ -180,7 +179,7 @@ def export_on_end(setup: RunSetup) -> None:
     """
     cfg = setup.cfg
     # the latest checkpoint is the final one; a resumed run may replace the export of its own earlier attempt
-    export_checkpoint(resolved_save_dir(cfg), Path(cfg.output_dir) / "hf_model", cfg.dtype,
+    export_checkpoint(resolved_save_dir(cfg), export_on_end_dir(cfg), cfg.dtype,
                       overwrite=cfg.overwrite or setup.resume is not None, max_shard_size=cfg.max_shard_size)
 
 
