@@ -41,7 +41,7 @@ from .console import progress_bar, said_already
 from .data.plan import steps_per_epoch
 from .data.run_plan import prompt_groups_of, run_plan
 from .errors import InputError, run_guarded
-from .files import check_creatable_folder
+from .files import check_output_folder
 from .model.build import tiny_config
 from .precompute_ref import precompute
 from .report import build_report, write_report_folder
@@ -124,10 +124,9 @@ def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> 
                              configurations=[n.strip() for n in args.configurations.split(",") if n.strip()],
                              bench_model=args.bench_model)
     settings.validate()
-    out = Path(settings.out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not cfg.overwrite)):
-        raise InputError(f"--out {out}: exists and is not an empty folder (pass --overwrite to replace it)")
-    check_creatable_folder(out, "--out")
+    reads = [source for source in (cfg.dataset, cfg.model, cfg.model_config, cfg.tokenizer, cfg.ref_model,
+                                   cfg.cache_dir) if source and Path(source).exists()]
+    check_output_folder(settings.out, "--out", cfg.overwrite, reads=reads)  # --overwrite replaces the whole folder
     return cfg, settings
 
 

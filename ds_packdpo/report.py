@@ -24,7 +24,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 
 from .errors import InputError
-from .files import atomic_folder
+from .files import atomic_folder, check_output_folder
 from .model.coupled_losses import SORTED_LOSSES
 
 matplotlib.use("Agg")  # files only, no display
@@ -237,9 +237,7 @@ def read_report(folder: str | Path) -> dict:
 
 def write_atomically(out: Path, overwrite: bool, fill) -> None:
     """Calls ``fill(tmp_folder)`` then renames the folder to ``out`` (replacing it only with ``overwrite``)."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
-        raise InputError(f"--out {out}: exists and is not an empty folder (pass --overwrite to replace it)")
+    check_output_folder(out, "--out", overwrite)  # checked before the work too; again now, when it is written
     atomic_folder(out, fill)
 
 

@@ -216,6 +216,11 @@ NO_RANK_CASES = [
     ("report", ["bench", "--out", "full"], "--out full: folder is not empty (pass --overwrite"),
     ("report", ["bench"], "the following arguments are required: --out"),
     ("report", ["--out", "r"], "the following arguments are required: folders"),
+    ("bench", ["--dataset", "full/kept.txt", "--out", "full", "--overwrite"],
+     "--out full: would replace full/kept.txt, which this command reads"),  # --overwrite replaced the dataset's folder
+    ("bench", ["--tokenizer", "bench", "--out", ".", "--overwrite"], "--out .: would replace bench, which this"),
+    ("bench", ["--out", "afile", "--overwrite"], "--out afile: exists and is not a folder"),
+    ("bench", ["--out", "/proc/ds_packdpo_fuzz/x"], "--out /proc/ds_packdpo_fuzz/x: cannot write there"),
     ("verify-checkpoint", ["missing"], "verify-checkpoint missing: no such checkpoint folder"),
     ("verify-checkpoint", ["afile"], "verify-checkpoint afile: no such checkpoint folder"),
     ("verify-checkpoint", ["empty"], "verify-checkpoint empty: neither a checkpoint"),
