@@ -124,8 +124,7 @@ def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> 
                              configurations=[n.strip() for n in args.configurations.split(",") if n.strip()],
                              bench_model=args.bench_model)
     settings.validate()
-    reads = [source for source in (cfg.dataset, cfg.model, cfg.model_config, cfg.tokenizer, cfg.ref_model,
-                                   cfg.cache_dir) if source and Path(source).exists()]
+    reads = [*cfg.local_inputs(), *([cfg.cache_dir] if cfg.cache_dir and Path(cfg.cache_dir).exists() else [])]
     check_output_folder(settings.out, "--out", cfg.overwrite, reads=reads)  # --overwrite replaces the whole folder
     return cfg, settings
 

@@ -114,7 +114,7 @@ def cmd_prepare(argv: list[str]) -> int:
     def job() -> int:
         cfg = config_from_args(args)
         if args.out:
-            check_output_file(args.out, "--out", overwrite=cfg.overwrite)
+            check_output_file(args.out, "--out", overwrite=cfg.overwrite, reads=cfg.local_inputs())
         tokenizer, rows = tokenizer_and_rows(cfg)
         if args.out:
             summary = run_prepare(cfg.data_config(), tokenizer, args.out, rows=rows)
@@ -144,7 +144,8 @@ def cmd_pack_stats(argv: list[str]) -> int:
         if not 1 <= args.world_size <= MAX_RANKS:
             raise InputError(f"--world-size must be in [1, {MAX_RANKS}], got {args.world_size}")
         if args.plan_out:
-            check_output_file(args.plan_out, "--plan-out", overwrite=True)  # the plan is derived data
+            # the plan is derived data, replaced without --overwrite; the data it is derived from is not
+            check_output_file(args.plan_out, "--plan-out", overwrite=True, reads=cfg.local_inputs())
         layout = ParallelLayout(world_size=args.world_size, sp_size=cfg.sequence_parallel_size)
         tokenizer, rows = tokenizer_and_rows(cfg)
         prepared, _ = split_held_out(cfg, tokenizer, prepare_run_data(cfg, tokenizer, rows))  # what trains

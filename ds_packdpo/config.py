@@ -26,7 +26,7 @@ from .data.multi_response import PAIRS_FROM
 from .data.prepare import FORMATS, DataConfig
 from .console import say_warning
 from .errors import InputError
-from .files import check_creatable_folder
+from .files import check_creatable_folder, check_not_an_input
 from .hub import check_bare_name, check_model_source, is_hub_id
 
 DTYPES = ("auto", "fp32", "bf16")
@@ -316,6 +316,12 @@ class TrainConfig:
     def resolved_metrics_out(self) -> str:
         return self.metrics_out or os.path.join(self.output_dir, "metrics.jsonl")
 
+    def local_inputs(self) -> list[str]:
+        """The files and folders on this machine that the run reads: an output written over one would lose it."""
+        paths = (self.dataset, self.eval_dataset, self.model, self.model_config, self.ref_model, self.ref_logps,
+                 self.tokenizer, self.config, self.ds_config)
+        return [path for path in paths if path and Path(path).exists()]
+
     def is_given(self, name: str) -> bool:
         """Whether the user wrote setting ``name`` (a field name) rather than leaving it at its default."""
         return name in self.given
@@ -379,6 +385,7 @@ class TrainConfig:
             if getattr(self, key):
                 check_creatable_folder(getattr(self, key), f"--{flag(key)}")
         if self.metrics_out:
+            check_not_an_input(self.metrics_out, "--metrics-out", self.local_inputs())
             check_creatable_folder(Path(self.metrics_out).parent, "--metrics-out")
         if self.model is not None and self.model_config is not None:
             raise InputError("--model and --model-config are exclusive: load a folder or build from a config")

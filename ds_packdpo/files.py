@@ -96,14 +96,21 @@ def check_creatable_folder(path, flag: str, named=None) -> None:
         raise InputError(f"{flag} {named}: cannot write there{where}: {error.strerror}") from None
 
 
+def check_not_an_input(path, flag: str, reads) -> None:
+    """An output that is, or holds, a path the command reads (``reads``) would replace it: ``prepare --out`` of its own
+    dataset, ``pack-stats --plan-out`` (always replaced) of it, a bench folder written over its dataset's folder."""
+    target = Path(path).resolve()
+    for source in reads:
+        if target == Path(source).resolve() or target in Path(source).resolve().parents:
+            raise InputError(f"{flag} {path}: would replace {source}, which this command reads; write elsewhere")
+
+
 def check_output_folder(path, flag: str, overwrite: bool, reads=()) -> None:
     """A folder written whole beside itself and renamed into place (:func:`atomic_folder`), checked before any work:
     neither one of the paths the command reads (``reads``) nor a folder holding one (--overwrite replaced a bench
     folder with its own report), not a file, empty unless ``overwrite``, beside a folder this process can write in."""
     path = Path(path)
-    for source in reads:
-        if path.resolve() == Path(source).resolve() or path.resolve() in Path(source).resolve().parents:
-            raise InputError(f"{flag} {path}: would replace {source}, which this command reads; write elsewhere")
+    check_not_an_input(path, flag, reads)
     if path.exists() and not path.is_dir():
         raise InputError(f"{flag} {path}: exists and is not a folder")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
@@ -111,9 +118,11 @@ def check_output_folder(path, flag: str, overwrite: bool, reads=()) -> None:
     check_creatable_folder(path.parent, flag, named=path)  # the folder is filled beside it, then renamed
 
 
-def check_output_file(path, flag: str, overwrite: bool) -> None:
-    """An output file's path, checked before any work: not a folder, in a folder, no silent overwrite."""
+def check_output_file(path, flag: str, overwrite: bool, reads=()) -> None:
+    """An output file's path, checked before any work: not an input, not a folder, in a folder, no silent
+    overwrite."""
     path = Path(path)
+    check_not_an_input(path, flag, reads)
     if path.is_dir():
         raise InputError(f"{flag} {path}: is a folder; give the file to write")
     if path.parent.exists() and not path.parent.is_dir():

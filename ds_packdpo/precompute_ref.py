@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute
 
 def precompute_setup(cfg, out: str | None, world_size: int | None = None) -> tuple[Path, RunSetup]:
     """Phase one: ``--out`` checked, then the run's (its output folder is --out's, which may hold other files)."""
-    path = check_output_path(out, cfg.overwrite)
+    path = check_output_path(out, cfg.overwrite, reads=cfg.local_inputs())
     return path, prepare(dataclasses.replace(cfg, output_dir=str(path.parent), overwrite=True), "precompute-ref",
                          world_size)
 

@@ -318,6 +318,22 @@ def test_output_file_that_is_a_folder(command, flag, tmp_path, out_dir, tokenize
     assert snapshot(out_dir) == before
 
 
+@pytest.mark.parametrize("command, flag", [("prepare", "--out"), ("pack-stats", "--plan-out"),
+                                           ("precompute-ref", "--out"), ("train", "--metrics-out")])
+def test_an_output_written_over_the_dataset_it_reads_is_refused(command, flag, tmp_path, tokenizer_dir, no_launch,
+                                                               capsys):
+    """``prepare --out`` or ``precompute-ref --out`` of the dataset's own file with --overwrite, ``pack-stats
+    --plan-out`` of it (replaced without --overwrite: the plan is derived data) replaced the user's data with what was
+    derived from it; the metrics file of a training run likewise."""
+    dataset = write_rows(standard_rows(16), tmp_path, "jsonl")
+    before = dataset.read_bytes()
+    code = cli.main([command, *data_flags(tmp_path, tokenizer_dir)[:-2], "--dataset", str(dataset), "--overwrite",
+                     *(["--output-dir", str(tmp_path / "run")] if command == "train" else []), flag, str(dataset)])
+    assert_one_line_error(code, capsys.readouterr().err,
+                          f"{flag} {dataset}: would replace {dataset}, which this command reads; write elsewhere")
+    assert dataset.read_bytes() == before
+
+
 def test_prepare_replaces_an_existing_file_only_with_overwrite(tmp_path, tokenizer_dir, capsys):
     out = _written(tmp_path / "pairs.jsonl", "earlier pairs\n")
     code = cli.main(["prepare", *data_flags(tmp_path, tokenizer_dir), "--out", str(out)])

@@ -29,7 +29,7 @@ import torch
 
 from ..data.prepare import tokenizer_fingerprint
 from ..errors import InputError
-from ..files import atomic_write
+from ..files import atomic_write, check_not_an_input
 from ..hub import hub_commit, is_hub_id
 from ..model.build import load_model_config
 from ..model.logps import SequenceLogps
@@ -99,13 +99,14 @@ def reference_fingerprint(setup) -> dict:
 
 
 # ----------------------------------------------------------------------------- writing
-def check_output_path(out: str | None, overwrite: bool) -> Path:
-    """``--out`` of precompute-ref, checked before any work: suffix, folder, no silent overwrite."""
+def check_output_path(out: str | None, overwrite: bool, reads=()) -> Path:
+    """``--out`` of precompute-ref, checked before any work: suffix, not an input, folder, no silent overwrite."""
     if not out:
         raise InputError("--out is required: the file to write the reference log-probs to (.jsonl or .parquet)")
     path = Path(out)
     if path.suffix not in OUTPUT_SUFFIXES:
         raise InputError(f"--out {out}: the name must end in {' or '.join(OUTPUT_SUFFIXES)}")
+    check_not_an_input(path, "--out", reads)
     if path.parent.exists() and not path.parent.is_dir():
         raise InputError(f"--out {out}: {path.parent} is not a folder")
     if (path.exists() or meta_path(path).exists()) and not overwrite:
