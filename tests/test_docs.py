@@ -4,13 +4,11 @@ import re
 from pathlib import Path
 
 import pytest
+from doc_pages import PAGES, ROOT, prose_lines
 
 from ds_packdpo.cli_reference import COMMAND_PARSERS, DOC_PATH, render
 
-ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
-FENCE = re.compile(r"^(```|~~~)")
 
 
 def test_cli_reference_is_generated_from_the_parsers():
@@ -38,23 +36,12 @@ def test_each_command_section_lists_its_own_flags_and_says_what_it_does():
     assert "--dry-run" not in _section(text, "eval") and "evaluated against its reference" in _section(text, "eval")
 
 
-def _prose_lines(page: Path) -> list[str]:
-    """The page's lines outside fenced code blocks (a link inside a code block is text, not a link)."""
-    lines, fenced = [], False
-    for line in page.read_text().splitlines():
-        if FENCE.match(line.strip()):
-            fenced = not fenced
-        elif not fenced:
-            lines.append(line)
-    return lines
-
-
 def github_anchors(page: Path) -> set[str]:
     """The anchors GitHub gives the page's headings: lower case, punctuation dropped, spaces to dashes, -N on
     repeats."""
     seen: dict[str, int] = {}
     anchors = set()
-    for line in _prose_lines(page):
+    for line in prose_lines(page):
         heading = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not heading:
             continue
@@ -67,7 +54,7 @@ def github_anchors(page: Path) -> set[str]:
 
 
 def _links(page: Path) -> list[str]:
-    return [m.group(1) or m.group(2) for line in _prose_lines(page) for m in LINK.finditer(line)]
+    return [m.group(1) or m.group(2) for line in prose_lines(page) for m in LINK.finditer(line)]
 
 
 def test_github_anchor_rules():
