@@ -1,12 +1,13 @@
 """Helpers of scripts/gpu_acceptance.sh: the inputs of its runs, TRL's baseline run, and the summary.
 
-    python scripts/gpu_acceptance.py setup WORK [--smoke]   # model config, tokenizer, DeepSpeed config, TRL data
+    python scripts/gpu_acceptance.py setup WORK [--smoke | --bench-model]   # model config, tokenizer, DeepSpeed config
     python scripts/gpu_acceptance.py trl WORK OUT.json --steps N --batch-pairs B --micro-batch-pairs M
     python scripts/gpu_acceptance.py summarize OUT            # OUT/acceptance.json and OUT/acceptance.md
 
 The model is a randomly initialised Llama-3.2-1B-shaped config (hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192, vocab 128,256, tied embeddings; nothing downloaded); ``--smoke`` writes a tiny one instead so the
-whole script can be tried on a CPU.  The tokenizer is the local byte-level BPE of the README's benchmark, trained on
+whole script can be tried on a CPU, and ``--bench-model`` the bench's default model (Llama, hidden 256, 4 layers,
+vocab 4096) for the CPU comparison with TRL (docs/figures.md).  The tokenizer is the local byte-level BPE of the README's benchmark, trained on
 dpo_en_demo.json.  TRL's baseline trains the same model, data, pairs per step and maximum length with TRL's own
 DPOTrainer (padded batches, its default), fp32 weights with bf16 autocast, the same as our ZeRO-3 bf16 engine's fp32
 master weights.
@@ -32,13 +33,18 @@ SMOKE = {**LLAMA_1B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_la
 H200_BF16_DENSE_TFLOPS = 989.0  # the datasheet's dense bf16 peak, for MFU
 
 
-def setup(work: Path, smoke: bool) -> None:
+def setup(work: Path, smoke: bool, bench_model: bool) -> None:
     from transformers import LlamaConfig
 
+    from ds_packdpo.bench import BENCH_MODEL
     from ds_packdpo.data.tokenizer import train_bpe_tokenizer
+    from ds_packdpo.model.build import tiny_config
 
     work.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(**(SMOKE if smoke else LLAMA_1B)).save_pretrained(work / "model")
+    if bench_model:
+        tiny_config("llama", vocab_size=4096, **BENCH_MODEL).save_pretrained(work / "model")
+    else:
+        LlamaConfig(**(SMOKE if smoke else LLAMA_1B)).save_pretrained(work / "model")
     rows = json.loads(DATA.read_text())
     texts = [t for r in rows for t in [m["value"] for m in r["conversations"]] + [r["chosen"]["value"],
                                                                                   r["rejected"]["value"]]]
@@ -47,7 +53,8 @@ def setup(work: Path, smoke: bool) -> None:
     ds = json.loads((REPO / "ds_packdpo" / "ds_configs" / "zero3.json").read_text())
     ds["optimizer"]["params"]["torch_adam"] = True
     (work / "zero3_torch_adam.json").write_text(json.dumps(ds, indent=2))
-    print(f"setup: {work} ({'smoke' if smoke else 'Llama-3.2-1B-shaped'} model, tokenizer, DeepSpeed config)")
+    shape = "bench" if bench_model else "smoke" if smoke else "Llama-3.2-1B-shaped"
+    print(f"setup: {work} ({shape} model, tokenizer, DeepSpeed config)")
 
 
 def trl_rows(rows: list[dict]) -> list[dict]:
@@ -217,7 +224,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("setup")
     p.add_argument("work", type=Path)
-    p.add_argument("--smoke", action="store_true")
+    shapes = p.add_mutually_exclusive_group()
+    shapes.add_argument("--smoke", action="store_true")
+    shapes.add_argument("--bench-model", action="store_true")
     p = sub.add_parser("trl")
     p.add_argument("work", type=Path)
     p.add_argument("out", type=Path)
@@ -229,7 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     if args.command == "setup":
-        setup(args.work, args.smoke)
+        setup(args.work, args.smoke, args.bench_model)
     elif args.command == "trl":
         trl_baseline(args.work, args.out, args.steps, args.batch_pairs, args.micro_batch_pairs, args.max_length)
     else:
