@@ -124,7 +124,7 @@ def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> 
                              configurations=[n.strip() for n in args.configurations.split(",") if n.strip()],
                              bench_model=args.bench_model)
     settings.validate()
-    reads = [*cfg.local_inputs(), *([cfg.cache_dir] if cfg.cache_dir and Path(cfg.cache_dir).exists() else [])]
+    reads = [*cfg.local_inputs(), cfg.data_config().cache_path]  # the cache, made by phase one if missing
     check_output_folder(settings.out, "--out", cfg.overwrite, reads=reads)  # --overwrite replaces the whole folder
     return cfg, settings
 

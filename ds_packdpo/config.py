@@ -320,14 +320,14 @@ class TrainConfig:
         """The files and folders on this machine that the run reads: an output written over one would lose it."""
         paths = (self.dataset, self.eval_dataset, self.model, self.model_config, self.ref_model, self.ref_logps,
                  self.tokenizer, self.config, self.ds_config)
-        return [path for path in paths if path and Path(path).exists()]
+        return [path for path in paths if path and Path(path).expanduser().exists()]
 
     def is_given(self, name: str) -> bool:
         """Whether the user wrote setting ``name`` (a field name) rather than leaving it at its default."""
         return name in self.given
 
-    def validate(self) -> None:
-        """Checks that need nothing but the settings themselves."""
+    def validate(self, unused: frozenset[str] = frozenset()) -> None:
+        """Checks that need nothing but the settings themselves (``unused``: those the command sets aside)."""
         for f in flag_fields(type(self)):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -382,7 +382,7 @@ class TrainConfig:
         if self.collective_timeout_s <= 0:
             raise InputError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         for key in ("output_dir", "save_dir", "cache_dir"):  # folders the ranks make: the OS must let them
-            if getattr(self, key):
+            if getattr(self, key) and key not in unused:  # eval's default runs/train is never made
                 check_creatable_folder(getattr(self, key), f"--{flag(key)}")
         if self.metrics_out:
             check_not_an_input(self.metrics_out, "--metrics-out", self.local_inputs())
@@ -677,7 +677,7 @@ def config_from_args(args: argparse.Namespace, config_cls=TrainConfig, aside=())
     cfg = config_cls(**values, given=frozenset(values), from_file=frozenset(from_file))
     for names, what in aside:
         cfg = set_aside(cfg, names, what)
-    cfg.validate()
+    cfg.validate(unused=frozenset(name for names, _ in aside for name in names))
     return cfg
 
 

@@ -99,9 +99,11 @@ def check_creatable_folder(path, flag: str, named=None) -> None:
 def check_not_an_input(path, flag: str, reads) -> None:
     """An output that is, or holds, a path the command reads (``reads``) would replace it: ``prepare --out`` of its own
     dataset, ``pack-stats --plan-out`` (always replaced) of it, a bench folder written over its dataset's folder."""
-    target = Path(path).resolve()
+    target = Path(path).expanduser()
+    target = target.parent.resolve() / target.name if target.name else target.resolve()  # a link is replaced itself
     for source in reads:
-        if target == Path(source).resolve() or target in Path(source).resolve().parents:
+        source_path = Path(source).expanduser().resolve()
+        if target == source_path or target in source_path.parents:
             raise InputError(f"{flag} {path}: would replace {source}, which this command reads; write elsewhere")
 
 

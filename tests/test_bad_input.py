@@ -199,6 +199,9 @@ BAD_CONFIGS = {
                                           "model.json: unreadable model config"),
     "precomputed reference without its fingerprint": (lambda d: ["--ref-logps", str(_written(d / "ref.jsonl", ""))],
                                                       "ref.jsonl: no fingerprint file ref.jsonl.meta.json beside it"),
+    "export over the model it trains from": (  # round two from round one's export: the model was replaced
+        lambda d: ["--export-on-end", "--model", str(_hf_model(d / "out" / "hf_model"))],
+        "hf_model: would replace"),
     "checkpoints inside the export folder": (  # was refused by the export, once the whole run had trained
         lambda d: ["--export-on-end", "--save-dir", str(d / "out" / "hf_model" / "checkpoints")],
         "out/hf_model, which --export-on-end replaces with the model exported from it; save elsewhere"),
@@ -225,6 +228,13 @@ BAD_CONFIGS = {
     "missing eval dataset": (lambda d: ["--eval-dataset", str(d / "nowhere.jsonl")],
                              "nowhere.jsonl: no such file or folder"),
 }
+
+
+def _hf_model(path: Path) -> Path:
+    from ds_packdpo.model.build import tiny_config
+
+    tiny_config(vocab_size=4096).save_pretrained(path)
+    return path
 
 
 def _folder(path: Path) -> Path:
@@ -441,3 +451,31 @@ def test_precomputed_reference_of_another_ld_alpha_is_refused_before_launch(tmp_
         train_front("--ref-logps", str(ref), *flags,
                     parts=(f"--ref-logps {ref}: computed for a different ld_alpha than this run (ld_alpha: file 0.5, "
                            f"this run {run_value}; run 'ds-packdpo precompute-ref'",))
+
+
+def test_outputs_meet_inputs_through_home_and_links(tmp_path, monkeypatch):
+    """A recipe's ``~/pairs.jsonl`` is the file the loader reads, so an --out naming it is refused; an output that is
+    a link is replaced itself (atomic_write), not its target, so it may point at an input."""
+    from ds_packdpo.config import TrainConfig
+    from ds_packdpo.errors import InputError
+    from ds_packdpo.files import check_output_file
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    dataset = write_rows(standard_rows(4), tmp_path, "jsonl", name="pairs")
+    reads = TrainConfig(dataset="~/pairs.jsonl").local_inputs()
+    with pytest.raises(InputError, match="would replace ~/pairs.jsonl"):
+        check_output_file(dataset, "--out", overwrite=True, reads=reads)
+    (tmp_path / "link.jsonl").symlink_to(dataset)
+    check_output_file(tmp_path / "link.jsonl", "--out", overwrite=True, reads=reads)
+
+
+def test_eval_runs_where_its_unused_output_folder_cannot_be_made(tmp_path, monkeypatch, no_launch, tokenizer_dir):
+    """eval and precompute-ref set --output-dir aside (refused typed): its default runs/train, which they never make,
+    was still checked, so they failed in a folder they cannot write in, with no flag to get past it."""
+    from ds_packdpo.evaluate import parse_eval_args
+
+    model = str(_hf_model(tmp_path / "model"))
+    monkeypatch.chdir("/proc")
+    cfg = parse_eval_args(["--model", model, "--ref-model", model, "--tokenizer", str(tokenizer_dir),
+                           "--synthetic-pairs", "16", "--cache-dir", str(tmp_path / "cache")])
+    assert cfg.output_dir == "runs/train"

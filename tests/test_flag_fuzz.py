@@ -220,6 +220,7 @@ NO_RANK_CASES = [
      "--out full: would replace full/kept.txt, which this command reads"),  # --overwrite replaced the dataset's folder
     ("bench", ["--tokenizer", "bench", "--out", ".", "--overwrite"], "--out .: would replace bench, which this"),
     ("bench", ["--out", "afile", "--overwrite"], "--out afile: exists and is not a folder"),
+    ("bench", ["--cache-dir", "new/cache", "--out", "new"], "--out new: would replace new/cache"),  # made later
     ("bench", ["--out", "/proc/ds_packdpo_fuzz/x"], "--out /proc/ds_packdpo_fuzz/x: cannot write there"),
     ("verify-checkpoint", ["missing"], "verify-checkpoint missing: no such checkpoint folder"),
     ("verify-checkpoint", ["afile"], "verify-checkpoint afile: no such checkpoint folder"),
