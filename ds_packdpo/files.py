@@ -96,14 +96,19 @@ def check_creatable_folder(path, flag: str, named=None) -> None:
         raise InputError(f"{flag} {named}: cannot write there{where}: {error.strerror}") from None
 
 
+def replaces(output, path) -> bool:
+    """Whether writing ``output`` (a file or a folder written whole) replaces ``path``: it is ``path`` or holds it."""
+    target = Path(output).expanduser()
+    target = target.parent.resolve() / target.name if target.name else target.resolve()  # a link is replaced itself
+    path = Path(path).expanduser().resolve()
+    return target == path or target in path.parents
+
+
 def check_not_an_input(path, flag: str, reads) -> None:
     """An output that is, or holds, a path the command reads (``reads``) would replace it: ``prepare --out`` of its own
     dataset, ``pack-stats --plan-out`` (always replaced) of it, a bench folder written over its dataset's folder."""
-    target = Path(path).expanduser()
-    target = target.parent.resolve() / target.name if target.name else target.resolve()  # a link is replaced itself
     for source in reads:
-        source_path = Path(source).expanduser().resolve()
-        if target == source_path or target in source_path.parents:
+        if replaces(path, source):
             raise InputError(f"{flag} {path}: would replace {source}, which this command reads; write elsewhere")
 
 

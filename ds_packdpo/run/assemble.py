@@ -31,7 +31,7 @@ from ..data.run_plan import checked_plan_config, total_steps
 from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
-from ..files import check_not_an_input
+from ..files import check_not_an_input, replaces
 from ..model.attention import (OWN_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, check_model_attention, is_flash,
                                 resolve_attn)
 from ..model.torch_varlen import TORCH_VARLEN
@@ -118,10 +118,11 @@ def check_output_dir(cfg: TrainConfig) -> None:
                              "resume; pass --overwrite to write into it")
         raise InputError(f"--output-dir {out}: folder is not empty (pass --overwrite to write into it, or "
                          "--resume auto to continue the run saved there)")
-    if cfg.export_on_end:  # round two from round one's export: its model, the reference too, replaced at the end
-        check_not_an_input(export_on_end_dir(cfg), "--export-on-end", cfg.local_inputs())
-    export, save = export_on_end_dir(cfg).resolve(), resolved_save_dir(cfg).resolve()
-    if cfg.export_on_end and (save == export or export in save.parents):  # said at the end, after the training
+    if not cfg.export_on_end:
+        return
+    # round two from round one's export: its model, the reference too, replaced at the end
+    check_not_an_input(export_on_end_dir(cfg), "--export-on-end", cfg.local_inputs())
+    if replaces(export_on_end_dir(cfg), resolved_save_dir(cfg)):  # else said at the end, after the training
         raise InputError(f"--save-dir {cfg.save_dir}: inside {export_on_end_dir(cfg)}, which --export-on-end replaces "
                          f"with the model exported from it; save elsewhere")
 
