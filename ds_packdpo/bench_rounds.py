@@ -18,8 +18,9 @@ measurement alone, and the loss of each step is the same in every round (a test 
 configuration's engines alive instead would let steps interleave more finely, but holds every configuration's
 weights and optimizer states at once: a bench that fits one configuration at a time (a large model on a GPU) would
 run out of memory.  The order is rotated by one configuration each round (A B C, B C A, C A B, ...) so that none is
-always first.  A configuration's figures are those of its median round (by time); the spread over rounds is
-reported beside them, and report.md says so when it exceeds :data:`NOISY_SPREAD` of the median.
+always first.  A configuration's figures are those of its median round (by time; of an even count, the faster of the
+middle two); the spread over rounds is reported beside them, and report.md says so when it exceeds
+:data:`NOISY_SPREAD` of the median.
 
 A crash in a configuration is isolated by the front process (``bench_front.py``): it names the configuration and
 measures the others again in a new launch.
