@@ -1,15 +1,18 @@
 """The bench's rounds: every configuration measured once per round, round after round, in one process.
 
-Why rounds.  Configurations measured one after the other in one process did not measure the same thing: the first
-paid for the process's history (issue 41: packed took 1.39 s per step when first, 0.92 s when second).  What was
+Why rounds. Configurations measured one after the other in one process did not measure the same thing: the first
+paid for the process's history (issue 41: packed took 1.39 s per step when first, 0.92 s when second). What was
 measured here: with glibc's allocator left to tune itself, the first configuration of a process kept taking page
-faults in its measured steps (25,000-74,000 per step per rank on dpo_en_demo, 8,192-token rows) where the same
-configuration measured second took none, because glibc raises its mmap and trim thresholds only as it sees large
-blocks freed; threads per rank were the same in both orders (1), and no other thread or process of the bench used
-more than 3% of a core (the peak-RSS sampling thread, since replaced by the kernel's own peak: ``run/cpu_memory.py``).
-The allocator is now fixed at start-up and trimmed between configurations (``run/cpu_memory.py``), so each
-configuration starts from the same state; rounds make what is left (a machine whose load drifts, first-use costs of
-a process) visible and averaged out instead of charged to whichever configuration ran first.
+faults in its measured steps (a median 17,800 per step and rank on dpo_en_demo, 8,192-token rows, up to 74,000)
+where the same configuration measured second took almost none (a median 5), because glibc raises its mmap and trim
+thresholds only as it sees large blocks freed; threads per rank were the same in both orders (1), and no other
+thread or process of the bench used more than 3% of a core (the peak-RSS sampling thread, since replaced by the
+kernel's own peak: ``run/cpu_memory.py``). The allocator is now fixed at start-up and trimmed between configurations
+(``run/cpu_memory.py``), so each configuration starts from the same state; rounds make what is left (a machine whose
+load drifts, first-use costs of a process) visible and averaged out instead of charged to whichever configuration
+ran first.  Whether the faults were all of issue 41's 0.47 s per step is for a quiet machine to say: under the load
+of other jobs here, the CPU time of a measured step did not differ measurably between the orders (docs/benchmarks.md
+gives the commands).
 
 The design.  Each round builds every configuration afresh (same seed, same steps: the engines of one configuration
 round are freed before the next is built), runs ``--bench-warmup-steps`` unmeasured steps and ``--max-steps``

@@ -4,9 +4,9 @@ On CPU every tensor is a glibc ``malloc``.  Left alone, glibc adapts its mmap th
 afresh, and their pages faulted in and zeroed, at every allocation) and its trim threshold (free memory above it is
 given back to the kernel, to be faulted in again) to the largest blocks it has seen freed so far: how a step's
 memory is served then depends on what the process ran before.  Measured on 2 CPU ranks (dpo_en_demo, 8,192-token
-rows, the bench model): the packed configuration measured first took 25,000-74,000 page faults per measured step and
-rank, the same configuration measured after the padded one almost none; with the thresholds fixed at start-up, none
-in either order, and the padded configuration half its faults.  :func:`steady_allocator` fixes them (the largest
+rows, the bench model): the packed configuration measured first took a median 17,800 page faults per measured step
+and rank (up to 74,000), the same configuration measured after the padded one 5 (up to 17,700); with the thresholds
+fixed at start-up, 14 and 5, and the padded configuration half its faults.  :func:`steady_allocator` fixes them (the largest
 mmap threshold glibc takes; memory freed stays with the process, as CUDA's caching allocator keeps it) and
 :func:`release_free_memory` gives the free memory back between a bench's configurations, so that each starts from
 the same state.  Nothing is done off glibc (another libc, or an allocator preloaded by the user).
