@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError, PeerFailureError, StoppedError, first_line
+from .report import read_report, with_failures, write_report_folder
+from .run.process_group import is_collective_failure
 
 FAILED_ENV = "DS_PACKDPO_BENCH_FAILED"  # JSON: the failures of earlier launches, for the report of this one
 MEASURING = re.compile(r"bench: measuring (?P<name>\S+) \(round (?P<round>\d+) of")
@@ -46,8 +48,6 @@ def measuring_line(name: str, number: int, rounds: int, position: int, count: in
 def failure_line(name: str, number: int, rank: int, error: BaseException) -> str:
     """What a rank prints before it dies of ``error`` in a configuration's round: the error's first line and its
     innermost frames; a collective that failed because a peer died is marked, so that the peer's error is named."""
-    from .run.process_group import is_collective_failure  # torch: only ranks print this line
-
     peer = isinstance(error, PeerFailureError) or (isinstance(error, RuntimeError) and is_collective_failure(error))
     frames = traceback.extract_tb(error.__traceback__)[-3:]
     where = " < ".join(f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}" for frame in reversed(frames))
@@ -119,8 +119,6 @@ def run_isolated(configurations: list[str], out: str, launch: Launch) -> int:
 
 def this_bench_report(out: Path, started: float) -> dict | None:
     """The report this bench's launches wrote into ``out`` (None: none yet, or only a folder it was to replace)."""
-    from .report import read_report
-
     path = out / "report.json"
     return read_report(out) if path.is_file() and path.stat().st_mtime >= started else None
 
@@ -136,8 +134,6 @@ def measured(out: Path, culprit: dict, started: float) -> bool:
 def mark_failed(out: Path, failed: dict, started: float) -> None:
     """Writes the failures into the report the dead launch left (if it wrote one): the folder says them even if no
     later launch measures anything."""
-    from .report import with_failures, write_report_folder
-
     report = this_bench_report(out, started)
     if report is not None:
         write_report_folder(with_failures(report, failed), out, overwrite=True)

@@ -149,28 +149,30 @@ def build_report(command: str, layout: dict, dataset: str, model: dict, environm
     """``layout``: the run's ParallelLayout.as_dict() (world_size, dp_size, sp_size); ``unmeasured``: the
     configurations still to measure when it is written; ``order``: (round, configuration) as measured; ``failed``:
     the configurations whose launch died (``bench_front.py``)."""
-    diff = loss_max_rel_diff(runs) if runs else None
-    same = None if diff is None else diff <= SAME_TRAJECTORY_RTOL[settings["dtype"]]
     return {
         "schema_version": SCHEMA_VERSION,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": command, **layout, "dataset": dataset, "model": model,
         "environment": environment, "settings": settings, "runs": runs, "unmeasured": list(unmeasured),
         "rounds": rounds, "order": [list(entry) for entry in order], "failed": dict(failed or {}),
-        "loss_max_rel_diff": diff, "same_trajectory": same,
-        **report_keys(runs), "comparisons": comparisons(runs),
+        **figures_of_runs(runs, settings["dtype"]),
     }
+
+
+def figures_of_runs(runs: dict, dtype: str) -> dict:
+    """What a report derives from its runs: the trajectory check, the speed-up keys and the comparisons list."""
+    diff = loss_max_rel_diff(runs) if runs else None
+    return {"loss_max_rel_diff": diff, "same_trajectory": None if diff is None else diff <= SAME_TRAJECTORY_RTOL[dtype],
+            **report_keys(runs), "comparisons": comparisons(runs)}
 
 
 def with_failures(report: dict, failed: dict) -> dict:
     """``report`` with the configurations of ``failed`` marked failed: their runs (of rounds measured before the
     crash) left out, the speed-ups and the trajectory check recomputed without them."""
     runs = {name: run for name, run in report["runs"].items() if name not in failed}
-    diff = loss_max_rel_diff(runs) if runs else None
-    same = None if diff is None else diff <= SAME_TRAJECTORY_RTOL[report["settings"]["dtype"]]
     return {**report, "runs": runs, "failed": {**report["failed"], **failed},
             "unmeasured": [name for name in report["unmeasured"] if name not in failed],
-            "loss_max_rel_diff": diff, "same_trajectory": same, **report_keys(runs), "comparisons": comparisons(runs)}
+            **figures_of_runs(runs, report["settings"]["dtype"])}
 
 
 def run_rounds(steps_of_rounds: list[list[dict]], positions: list[int]) -> dict:
