@@ -94,15 +94,15 @@ class BenchSettings:
     # Per round: every round builds its configurations afresh, and a fresh engine's first steps pay for the first
     # gathers and allocations (bench_rounds.py).
     bench_warmup_steps: int = 2
-    rounds: int = 3
+    bench_rounds: int = 3
     configurations: list[str] | None = None  # None: DEFAULT_CONFIGURATIONS (+ packed-no-prompt-groups), by the data
     bench_model: bool = True
 
     def validate(self) -> None:
         if self.bench_warmup_steps < 0:
             raise InputError(f"--bench-warmup-steps must be >= 0, got {self.bench_warmup_steps}")
-        if not 1 <= self.rounds <= MAX_ROUNDS:
-            raise InputError(f"--bench-rounds must be in [1, {MAX_ROUNDS}], got {self.rounds}")
+        if not 1 <= self.bench_rounds <= MAX_ROUNDS:
+            raise InputError(f"--bench-rounds must be in [1, {MAX_ROUNDS}], got {self.bench_rounds}")
         if self.configurations is None:
             return
         unknown = [name for name in self.configurations if name not in CONFIGURATIONS]
@@ -123,7 +123,7 @@ def bench_parser(prog: str) -> argparse.ArgumentParser:
                        help="Optimizer steps run before measuring, per configuration and round (--warmup-steps is the "
                             "LR schedule's). --max-steps is the number of measured steps per round (default "
                             f"{DEFAULT_MEASURED_STEPS}).")
-    group.add_argument("--bench-rounds", type=int, default=BenchSettings.rounds,
+    group.add_argument("--bench-rounds", type=int, default=BenchSettings.bench_rounds,
                        help="Rounds: every configuration is built afresh and measured once per round, the order "
                             "rotated each round; its figures are its median round's, the spread of its rounds is "
                             "reported beside them.")
@@ -143,7 +143,7 @@ def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> 
     if cfg.max_steps is None:
         cfg = dataclasses.replace(cfg, max_steps=DEFAULT_MEASURED_STEPS)
     named = None if args.configurations is None else [n.strip() for n in args.configurations.split(",") if n.strip()]
-    settings = BenchSettings(out=args.out, bench_warmup_steps=args.bench_warmup_steps, rounds=args.bench_rounds,
+    settings = BenchSettings(out=args.out, bench_warmup_steps=args.bench_warmup_steps, bench_rounds=args.bench_rounds,
                              configurations=named, bench_model=args.bench_model)
     settings.validate()
     reads = [*cfg.local_inputs(), cfg.data_config().cache_path]  # the cache, made by phase one if missing
@@ -406,7 +406,7 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
     returns the report."""
     plan = check_configurations(cfg, settings)
     cfg, first = plan.cfg, plan.first
-    order = schedule(list(plan.setups), settings.rounds)
+    order = schedule(list(plan.setups), settings.bench_rounds)
     failed = json.loads(os.environ.get(FAILED_ENV) or "{}")  # configurations an earlier launch lost (bench_front.py)
     rounds: dict[str, list[RoundResult]] = {}
     positions: dict[str, list[int]] = {}
@@ -414,7 +414,7 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
     for number, (round_number, name) in enumerate(order):
         position = number % len(plan.setups) + 1
         if first.layout.rank == 0:  # a log, and the front process, say which one died
-            print(measuring_line(name, round_number, settings.rounds, position, len(plan.setups)), flush=True)
+            print(measuring_line(name, round_number, settings.bench_rounds, position, len(plan.setups)), flush=True)
         try:
             for hook in BEFORE_ROUND:
                 hook(name, round_number)
@@ -448,9 +448,9 @@ def write_bench_report(plan: BenchPlan, settings: BenchSettings, argv: list[str]
         command=shlex.join([sys.executable, "-m", "ds_packdpo.bench", *argv]),
         layout=first.layout.as_dict(), dataset=cfg.dataset or "synthetic",
         model=model_summary(cfg, first.vocab_size), environment=environment(first.device_type, threads),
-        settings={**to_dict(cfg), "bench_warmup_steps": settings.bench_warmup_steps, "bench_rounds": settings.rounds,
+        settings={**to_dict(cfg), "bench_warmup_steps": settings.bench_warmup_steps, "bench_rounds": settings.bench_rounds,
                   "configurations": list(plan.setups), "row_budget": cfg.row_budget},
-        runs=dict(runs), unmeasured=tuple(unmeasured), rounds=settings.rounds, order=order, failed=failed)
+        runs=dict(runs), unmeasured=tuple(unmeasured), rounds=settings.bench_rounds, order=order, failed=failed)
     write_report_folder(report, Path(settings.out), overwrite=overwrite)
     return report
 

@@ -174,7 +174,7 @@ def test_a_bench_that_dies_keeps_the_configurations_it_measured(tmp_path, monkey
     monkeypatch.setattr(bench, "measure_round", measure)
     monkeypatch.setattr(bench, "summarize", lambda name, setup, rounds, positions: measured[name])
     out = tmp_path / "bench"
-    settings = bench.BenchSettings(out=str(out), configurations=names, rounds=1)
+    settings = bench.BenchSettings(out=str(out), configurations=names, bench_rounds=1)
     with pytest.raises(RuntimeError, match="out of memory"):
         bench.run_bench(cfg, settings, ["--configurations", ",".join(names)])
     printed = capsys.readouterr()
@@ -587,7 +587,7 @@ def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):
     assert "--configurations: unknown nope" in capsys.readouterr().err
     assert cli.main(["bench", "--bench-rounds", "0", "--out", str(tmp_path / "b")]) == 2
     assert "error: --bench-rounds must be in [1, 100], got 0" in capsys.readouterr().err
-    assert bench.parse_bench_args(["--out", str(tmp_path / "b")])[1].rounds == 3  # the default
+    assert bench.parse_bench_args(["--out", str(tmp_path / "b")])[1].bench_rounds == 3  # the default
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     assert cli.main(["bench", "--out", str(tmp_path / "full")]) == 2
