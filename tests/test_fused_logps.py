@@ -13,9 +13,8 @@ from ds_packdpo.errors import InputError
 from ds_packdpo.model import fused_logps
 from ds_packdpo.model.build import tiny_config
 from ds_packdpo.model.collate import collate_packed, collate_shared
-from ds_packdpo.model.fused_logps import resolve_logps_impl
 from ds_packdpo.model.guard import synthetic_pairs
-from ds_packdpo.model.logps import forward_logps
+from ds_packdpo.model.logps import forward_logps, resolve_logps_impl
 from ds_packdpo.run.assemble import prepare
 
 from test_bad_input import assert_one_line_error

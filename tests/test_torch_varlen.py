@@ -178,7 +178,8 @@ def test_sequence_parallel_runs_torch_varlen_as_its_local_kernel(monkeypatch, tm
 def test_sdpa_varlen_gives_way_on_cuda_in_half_precision(capsys):
     """sdpa_varlen's shared rows gave non-finite gradients on an H200 in bf16: there the default sharing gives way in
     one warning line and a written --prefix-sharing is refused; fp32, the CPU and the varlen kernels still share."""
-    from ds_packdpo.run.assemble import prefix_sharing_obstacle, settle_prefix_sharing
+    from ds_packdpo.model.attention import prefix_sharing_obstacle
+    from ds_packdpo.run.assemble import settle_prefix_sharing
     from ds_packdpo.run.layout import ParallelLayout
 
     assert prefix_sharing_obstacle("sdpa_varlen", 1, "cuda", "bf16").startswith("sdpa_varlen's prefix-shared rows")

@@ -32,17 +32,14 @@ from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
 from ..files import check_not_an_input, replaces
-from ..model.attention import (OWN_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, check_model_attention, is_flash,
+from ..model.attention import (BACKENDS, check_model_attention, prefix_sharing_backends, prefix_sharing_obstacle,
                                 resolve_attn)
-from ..model.torch_varlen import TORCH_VARLEN
 from ..model.collate import ModelBatch, collate_row
-from ..model.fused_logps import resolve_logps_impl
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
-from ..model.logps import AUTO_CHUNK, SequenceLogps, TokenWeighting, forward_logps
+from ..model.logps import AUTO_CHUNK, SequenceLogps, TokenWeighting, forward_logps, resolve_logps_impl
 from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
 from ..model.losses import LossConfig
-from ..model.prefix_attention import PREFIX_FLASH
 from .checkpoint import ResumePoint, check_resume, export_on_end_dir, resolved_save_dir, resumes_in_place
 from .engines import (build_evaluated_policy, build_policy, build_reference, fill_ds_config, load_ds_config, load_model,
                       model_config, reference_ds_config, reference_model_config, zero_stage)
@@ -94,9 +91,7 @@ class RunSetup:
     def model_attn(self) -> str:
         """The model's attn_implementation: Ulysses (around ``attn``) under sequence parallelism; flash-attn with
         prefix sharing through ``PREFIX_FLASH``."""
-        if self.layout.sp_size > 1:
-            return ULYSSES_ATTN
-        return PREFIX_FLASH[self.attn] if self.prefix_sharing and is_flash(self.attn) else self.attn
+        return BACKENDS[self.attn].model_implementation(self.layout.sp_size, self.prefix_sharing)
 
     @property
     def vocab_size(self) -> int:
@@ -127,22 +122,6 @@ def check_output_dir(cfg: TrainConfig) -> None:
                          f"with the model exported from it; save elsewhere")
 
 
-def prefix_sharing_obstacle(attn: str, sp_size: int, device_type: str, dtype: str) -> str | None:
-    """Why ``attn`` cannot run prefix-shared rows here (None: it can).  sdpa_varlen, torch_varlen and flash-attn run
-    them at one rank, every local attention of Ulysses too; transformers' sdpa, eager and flex_attention derive their
-    masks from position ids, which cannot say [prompt | chosen | rejected].  sdpa_varlen's shared rows gave
-    non-finite or huge gradients on CUDA in half precision (H200, torch 2.11, two runs of the matrix) while its
-    kernel alone was exact: not trusted there until understood."""
-    if sp_size > 1 or is_flash(attn) or attn == TORCH_VARLEN:
-        return None
-    if attn == SDPA_VARLEN:
-        if device_type == "cuda" and dtype != "fp32":
-            return (f"{SDPA_VARLEN}'s prefix-shared rows gave non-finite gradients on CUDA in half precision (README "
-                    f"'On a GPU'); {TORCH_VARLEN} or flash-attn share prefixes there")
-        return None
-    return f"{attn} derives its masks from position ids, which cannot say [prompt | chosen | rejected]"
-
-
 def runs_prefix_sharing(attn: str, sp_size: int, device_type: str, dtype: str) -> bool:
     """Whether ``attn`` runs prefix-shared rows on this device and dtype (:func:`prefix_sharing_obstacle`)."""
     return prefix_sharing_obstacle(attn, sp_size, device_type, dtype) is None
@@ -159,9 +138,9 @@ def settle_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout, d
             print(f"warning: --attn {attn}: prefix sharing off ({why}); every prompt runs twice", file=sys.stderr,
                   flush=True)
         return dataclasses.replace(cfg, prefix_sharing=False)
+    able = prefix_sharing_backends()
     raise InputError(f"--attn {attn}: prefix sharing (on by default for packed runs) needs --attn auto, "
-                     f"{SDPA_VARLEN}, {TORCH_VARLEN}, flash_attention_2 or flash_attention_3 ({why}); add "
-                     f"--no-prefix-sharing to run {attn}")
+                     f"{', '.join(able[:-1])} or {able[-1]} ({why}); add --no-prefix-sharing to run {attn}")
 
 
 def model_source(cfg: TrainConfig) -> str:
@@ -194,7 +173,7 @@ def check_models(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size
     hf_config = model_config(cfg, vocab_size)
     # Under sequence parallelism the model's attention is Ulysses around the local kernel: the per-sequence kernel
     # of sdpa_varlen for sdpa too, or a varlen kernel (flash-attn's, torch's).
-    kernel = SDPA_VARLEN if layout.sp_size > 1 and attn == "sdpa" else attn
+    kernel = (BACKENDS[attn].ulysses_local or attn) if layout.sp_size > 1 else attn
     check_model_attention(hf_config, kernel, model_source(cfg))
     if cfg.ref_model is not None:
         check_model_attention(reference_model_config(cfg, vocab_size), kernel, f"--ref-model {cfg.ref_model}")

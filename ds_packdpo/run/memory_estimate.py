@@ -26,8 +26,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from transformers import AutoModelForCausalLM
 
 from .assemble import RunSetup, model_config, reference_model_config
-from ..model.fused_logps import FUSED
-from ..model.logps import auto_chunk_tokens
+from ..model.logps import LOGPS_IMPLEMENTATIONS, auto_chunk_tokens
 from ..model.lora import LoraSettings, add_adapters
 from .engines import zero_stage
 
@@ -103,7 +102,7 @@ def estimate_memory(setup: RunSetup) -> dict:
     if chunk == "auto":  # what the lean head will pick for a full row (model/logps.auto_chunk_tokens)
         chunk = auto_chunk_tokens(tokens, hf_config.hidden_size, hf_config.vocab_size, element)
     # plain holds the whole row's logits, lean one chunk's, fused none (cut-cross-entropy works in on-chip memory)
-    chunk_tokens = {"plain": tokens, FUSED: 0}.get(cfg.logps_impl, min(chunk, tokens))
+    chunk_tokens = {"row": tokens, "none": 0, "chunk": min(chunk, tokens)}[LOGPS_IMPLEMENTATIONS[cfg.logps_impl].logits_held]
     logps_chunk = 3 * chunk_tokens * hf_config.vocab_size * 4
     kept = "checkpointed" if cfg.gradient_checkpointing else "full"
     return {"parameters": total, "trainable_parameters": trainable, "largest_layer_parameters": largest,
