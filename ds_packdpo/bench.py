@@ -222,7 +222,7 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
         "name": name,
         "overrides": overrides,
         "attn": setup.attn,
-        "packing": setup.cfg.packing,
+        "packing": setup.row_layout.packed,
         "sequence_parallel_size": setup.layout.sp_size,
         "measured_steps": len(steps),
         "tokens_per_s": real / total_time,

@@ -34,7 +34,7 @@ def run_check(cfg: TrainConfig, pairs: int = 4) -> dict:
     checked = columns + beyond_window
     result = packing_exactness(model, checked, setup.model_attn, setup.pad_token_id)
     shared = (packing_exactness(model, checked, setup.model_attn, setup.pad_token_id, shared_prefix=True)
-              if setup.prefix_sharing else None)
+              if setup.row_layout.shares_prefixes else None)
     return {"model": cfg.model or cfg.model_config or "tiny", "requested_attn": requested,
             "dataset": cfg.dataset or "synthetic", **result, "attn": setup.attn, "data_pairs": len(columns),
             "beyond_window_pairs": len(beyond_window), "prefix_sharing": shared,

@@ -149,7 +149,7 @@ def cmd_pack_stats(argv: list[str]) -> int:
         layout = ParallelLayout(world_size=args.world_size, sp_size=cfg.sequence_parallel_size)
         tokenizer, rows = tokenizer_and_rows(cfg)
         prepared, _ = split_held_out(cfg, tokenizer, prepare_run_data(cfg, tokenizer, rows))  # what trains
-        plan_cfg = checked_plan_config(cfg, layout, prepared)
+        plan_cfg = checked_plan_config(cfg, layout, cfg.row_layout, prepared)
         stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=cfg.epochs,
                            prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
         if args.plan_out:

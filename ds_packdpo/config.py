@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data.plan import PlanConfig
+from .data.plan import PlanConfig, RowLayout
 from .data.multi_response import PAIRS_FROM
 from .data.prepare import FORMATS, DataConfig
 from .console import say_warning
@@ -252,9 +252,9 @@ class TrainConfig:
         return max(2 * self.max_length, 2 * self.micro_batch_pairs * self.max_length)
 
     @property
-    def shares_prefixes(self) -> bool:
-        """Rows lay out each pair with its prompt once (packed runs with prefix sharing on)."""
-        return self.packing and self.prefix_sharing
+    def row_layout(self) -> RowLayout:
+        """The row layout the flags ask for (phase one may give way to what the attention backend runs)."""
+        return RowLayout.of(self.packing, self.prefix_sharing, self.prompt_groups)
 
     @property
     def batch_pairs(self) -> int | None:
@@ -271,8 +271,8 @@ class TrainConfig:
         """The data stage's settings (the embedded synthetic dataset is labelled 'synthetic')."""
         return DataConfig.from_settings(self, dataset=self.dataset or "synthetic")
 
-    def plan_config(self, layout) -> PlanConfig:
-        """The plan of this run laid out as ``layout`` (a run.layout.ParallelLayout).
+    def plan_config(self, layout, row_layout: RowLayout) -> PlanConfig:
+        """The plan of this run laid out as ``layout`` (a run.layout.ParallelLayout), its rows in ``row_layout``.
 
         The plan deals every step over the data-parallel shares; under sequence
         parallelism a row is shared by the ``sp_size`` ranks of a group, so it holds
@@ -280,9 +280,8 @@ class TrainConfig:
         """
         return PlanConfig(max_tokens_per_row=self.row_budget * layout.sp_size, dp_size=layout.dp_size,
                           seed=self.seed, global_batch_pairs=self.batch_pairs, tokens_per_step=self.tokens_per_step,
-                          drop_last=self.drop_last, attention_weight=self.attention_weight, packing=self.packing,
-                          micro_batch_pairs=self.micro_batch_pairs, prefix_sharing=self.shares_prefixes,
-                          prompt_groups=self.shares_prefixes and self.prompt_groups)
+                          drop_last=self.drop_last, attention_weight=self.attention_weight, layout=row_layout,
+                          micro_batch_pairs=self.micro_batch_pairs)
 
     def loss_config(self):
         """The loss settings (model.losses.LossConfig), validated."""

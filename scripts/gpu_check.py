@@ -29,6 +29,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from ds_packdpo.data.plan import RowLayout
 from ds_packdpo.errors import InputError
 from ds_packdpo.model import attention, torch_varlen
 from ds_packdpo.model.attention import BACKENDS, attn_implementation, check_model_attention
@@ -69,7 +70,8 @@ def count_boundary_rediscovery():
 def matrix_entry(arch: str, attn: str, dtype: torch.dtype, device: str, shared_prefix: bool = False) -> dict:
     started = time.perf_counter()
     with count_boundary_rediscovery() as rediscovered:
-        outcome = matrix_outcome(arch, attn, dtype, device, num_pairs=4, shared_prefix=shared_prefix)
+        outcome = matrix_outcome(arch, attn, dtype, device, num_pairs=4,
+                             layout=RowLayout.PREFIX_SHARED if shared_prefix else RowLayout.PACKED)
     if outcome["verdict"] == "refused":
         return {**outcome, "ok": True}
     if dtype == torch.float32:

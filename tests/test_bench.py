@@ -16,6 +16,7 @@ from ds_packdpo import bench
 from ds_packdpo import cli
 from ds_packdpo.errors import InputError
 from ds_packdpo.config import parse_train_args
+from ds_packdpo.data.plan import RowLayout
 from ds_packdpo.model.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
 from ds_packdpo.model.build import build_model, tiny_config
 from ds_packdpo.model.lora import LoraSettings, add_adapters
@@ -40,18 +41,18 @@ def test_step_flops_formula_by_hand():
 
 def test_attention_term_is_sum_of_squares_packed_and_rows_times_width_squared_padded():
     chosen, rejected = [3, 10, 4], [5, 2, 7]
-    assert row_attention_sq((0, 2), chosen, rejected, packed=True) == 3**2 + 4**2 + 5**2 + 7**2
-    assert row_attention_sq((0, 2), chosen, rejected, packed=False) == 4 * 7**2  # 4 rows padded to 7
-    assert row_attention_sq((), chosen, rejected, packed=True) == 1  # the dummy row
+    assert row_attention_sq((0, 2), chosen, rejected, RowLayout.PACKED) == 3**2 + 4**2 + 5**2 + 7**2
+    assert row_attention_sq((0, 2), chosen, rejected, RowLayout.PADDED) == 4 * 7**2  # 4 rows padded to 7
+    assert row_attention_sq((), chosen, rejected, RowLayout.PACKED) == 1  # the dummy row
     # prefix sharing: (P + C)^2 for prompt + chosen, R (P + R) for the rejected queries against prompt + rejected keys
     prompt = [2, 1, 3]
-    assert row_attention_sq((0, 2), chosen, rejected, True, prompt, prefix_sharing=True) == 3**2 + 3 * 5 + 4**2 + 4 * 7
-    assert row_attention_sq((0, 2), chosen, rejected, False, prompt, prefix_sharing=True) == 4 * 7**2
+    assert row_attention_sq((0, 2), chosen, rejected, RowLayout.PREFIX_SHARED, prompt) == 3**2 + 3 * 5 + 4**2 + 4 * 7
+    assert row_attention_sq((0, 2), chosen, rejected, RowLayout.PADDED, prompt) == 4 * 7**2
 
 
 def test_throughput_figures_mfu_only_with_a_peak():
     model = FlopModel(matmul_params=1, layers=1, attn_width=1, with_reference=False)
-    meter = ThroughputMeter(model, [1], [1], packed=True, world_size=2, peak_tflops=4.0)
+    meter = ThroughputMeter(model, [1], [1], RowLayout.PACKED, world_size=2, peak_tflops=4.0)
     assert meter.figures(flops=8e12, seconds=2.0) == {"model_tflops_per_s": 4.0, "mfu": 0.5}
     meter.peak_tflops = None
     assert meter.figures(flops=8e12, seconds=2.0) == {"model_tflops_per_s": 4.0, "mfu": None}
@@ -83,7 +84,7 @@ def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
     assert not needs_policy_prepass(parse_train_args([]).loss_config())
     model = FlopModel(matmul_params=1000, layers=2, attn_width=8, with_reference=True)
     plan = SimpleNamespace(ranks=[[SimpleNamespace(pairs=(0, 1))]], rank_computed_tokens=[3 + 4 + 2 + 5])
-    meter = ThroughputMeter(model, [3, 4], [2, 5], packed=True, world_size=1, peak_tflops=None, policy_prepass=True)
+    meter = ThroughputMeter(model, [3, 4], [2, 5], RowLayout.PACKED, world_size=1, peak_tflops=None, policy_prepass=True)
     # one policy forward of the step's computed tokens: 2 N T + 4 l d S, S = 3^2 + 4^2 + 2^2 + 5^2
     assert meter.prepass_flops(plan) == 2 * 1000 * 14 + 4 * 2 * 8 * (9 + 16 + 4 + 25)
     assert meter.step_flops(plan) == step_flops(model, 14, 54)  # the model FLOPs are unchanged

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..errors import InputError
-from .plan import PlanConfig, StepPlan, iter_plan, pair_tokens, steps_per_epoch, validate_lengths, warn_if_ranks_idle
+from .plan import (PlanConfig, RowLayout, StepPlan, iter_plan, pair_tokens, steps_per_epoch, validate_lengths,
+                   warn_if_ranks_idle)
 from .prepare import PreparedPairs
 from .prompt_groups import PairGroups, pair_groups
 
@@ -51,14 +52,14 @@ def run_plan(prepared: PreparedPairs, plan_cfg: PlanConfig, epochs: int, start_e
                      prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
 
 
-def checked_plan_config(cfg, layout, prepared: PreparedPairs) -> PlanConfig:
-    """``cfg.plan_config(layout)`` once every pair is known to fit its row budget (InputError naming the pair); warns
-    when a step has fewer pairs than data-parallel ranks."""
-    plan_cfg = cfg.plan_config(layout)
+def checked_plan_config(cfg, layout, row_layout: RowLayout, prepared: PreparedPairs) -> PlanConfig:
+    """``cfg.plan_config(layout, row_layout)`` once every pair is known to fit its row budget (InputError naming the
+    pair); warns when a step has fewer pairs than data-parallel ranks."""
+    plan_cfg = cfg.plan_config(layout, row_layout)
     pair_ids = prepared.dataset["pair_id"]
     if layout.sp_size > 1:
         check_pairs_fit_group(prepared.chosen_lengths, prepared.rejected_lengths, cfg.row_budget, layout.sp_size,
-                              pair_ids, prepared.prompt_lengths, plan_cfg.prefix_sharing)
+                              pair_ids, prepared.prompt_lengths, row_layout.shares_prefixes)
     validate_lengths(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, pair_ids=pair_ids,
                      prompt_lengths=prepared.prompt_lengths)
     warn_if_ranks_idle(len(prepared.chosen_lengths), plan_cfg)

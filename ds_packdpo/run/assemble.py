@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 
 from ..config import TrainConfig, resolve_dtype
 from ..console import quiet_libraries
-from ..data.plan import PlanConfig
+from ..data.plan import PlanConfig, RowLayout
 from ..data.prepare import PreparedPairs
 from ..data.run_plan import checked_plan_config, total_steps
 from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
@@ -73,6 +73,7 @@ class RunSetup:
     ds_config: dict
     tokenizer: object
     prepared: PreparedPairs  # the pairs the run trains on (or computes the reference of)
+    row_layout: RowLayout  # how rows hold their pairs: the flags', or packed where the backend cannot share prefixes
     plan_cfg: PlanConfig
     loss_cfg: LossConfig
     schedule: Schedule  # the LR schedule over the run's total steps
@@ -81,17 +82,10 @@ class RunSetup:
     held_out: HeldOut | None = None  # the evaluation's pairs, plan and precomputed reference
 
     @property
-    def prefix_sharing(self) -> bool:
-        """Rows lay out each pair as [prompt | chosen | rejected] (phase one refused a backend that cannot, except for
-        ``check``, which then checks packing alone)."""
-        return self.cfg.shares_prefixes and runs_prefix_sharing(self.attn, self.layout.sp_size, self.device_type,
-                                                                self.cfg.dtype)
-
-    @property
     def model_attn(self) -> str:
         """The model's attn_implementation: Ulysses (around ``attn``) under sequence parallelism; flash-attn with
         prefix sharing through ``PREFIX_FLASH``."""
-        return BACKENDS[self.attn].model_implementation(self.layout.sp_size, self.prefix_sharing)
+        return BACKENDS[self.attn].model_implementation(self.layout.sp_size, self.row_layout.shares_prefixes)
 
     @property
     def vocab_size(self) -> int:
@@ -122,22 +116,21 @@ def check_output_dir(cfg: TrainConfig) -> None:
                          f"with the model exported from it; save elsewhere")
 
 
-def runs_prefix_sharing(attn: str, sp_size: int, device_type: str, dtype: str) -> bool:
-    """Whether ``attn`` runs prefix-shared rows on this device and dtype (:func:`prefix_sharing_obstacle`)."""
-    return prefix_sharing_obstacle(attn, sp_size, device_type, dtype) is None
-
-
-def settle_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout, device_type: str) -> TrainConfig:
-    """Prefix sharing is on by default for packed runs; where the backend cannot run it, that default gives way with
-    a one-line warning.  A written --prefix-sharing with such a backend is refused."""
-    why = prefix_sharing_obstacle(attn, layout.sp_size, device_type, cfg.dtype)
-    if not cfg.shares_prefixes or why is None:
-        return cfg
-    if not cfg.is_given("prefix_sharing"):
+def settle_row_layout(requested: RowLayout, written: bool, attn: str, layout: ParallelLayout, device_type: str,
+                      dtype: str, command: str) -> RowLayout:
+    """The run's row layout: the one the flags ask for, or packing alone where the backend cannot share prefixes.
+    Prefix sharing is on by default for packed runs: that default gives way with a one-line warning, a written
+    --prefix-sharing is refused (``written``), and ``check`` checks packing alone."""
+    why = prefix_sharing_obstacle(attn, layout.sp_size, device_type, dtype) if requested.shares_prefixes else None
+    if why is None:
+        return requested
+    if command == "check":
+        return RowLayout.PACKED
+    if not written:
         if layout.rank == 0:
             print(f"warning: --attn {attn}: prefix sharing off ({why}); every prompt runs twice", file=sys.stderr,
                   flush=True)
-        return dataclasses.replace(cfg, prefix_sharing=False)
+        return RowLayout.PACKED
     able = prefix_sharing_backends()
     raise InputError(f"--attn {attn}: prefix sharing (on by default for packed runs) needs --attn auto, "
                      f"{', '.join(able[:-1])} or {able[-1]} ({why}); add --no-prefix-sharing to run {attn}")
@@ -213,8 +206,10 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
         shard_size_bytes(cfg.max_shard_size)  # --export-on-end's, refused before any work
     if command == "eval":
         check_evaluation_models(cfg)
-    if command != "check":  # check reports packing alone for a backend that cannot share prefixes
-        cfg = settle_prefix_sharing(cfg, attn, layout, device_type)
+    row_layout = settle_row_layout(cfg.row_layout, cfg.is_given("prefix_sharing"), attn, layout, device_type,
+                                   cfg.dtype, command)
+    if row_layout is not cfg.row_layout and command != "check":  # the default gave way: the settings say so
+        cfg = dataclasses.replace(cfg, prefix_sharing=False)
     tokenizer, rows = tokenizer_and_rows(cfg)
     hf_config = check_models(cfg, layout, attn, len(tokenizer))
     check_lora_settings(cfg, hf_config)
@@ -229,14 +224,14 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
         prepared, held_out = split_held_out(cfg, tokenizer, prepared)
     if command == "eval" and held_out is None:  # no held-out part named: evaluate on --dataset (--max-pairs) itself
         held_out = prepared
-    plan_cfg = checked_plan_config(cfg, layout, prepared)
+    plan_cfg = checked_plan_config(cfg, layout, row_layout, prepared)
     schedule = run_schedule(cfg, total_steps(cfg, plan_cfg, prepared))
     ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, int(getattr(hf_config, "hidden_size", 1024)),
                                device_type, schedule)
     if cfg.ref_offload:  # the reference's own config, so that a stage without parameter offload ends here, not in a rank
         reference_ds_config(ds_config, offload=True, source=ds_source)
-    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg,
-                     schedule)
+    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, row_layout, plan_cfg,
+                     loss_cfg, schedule)
     if command == "train":
         setup.resume = check_resume(cfg, prepared.fingerprint, layout)
         if setup.resume is not None and setup.resume.universal and not dry_run:
@@ -313,9 +308,7 @@ class Run:
         """The model inputs of one planned row, packed (each prompt once with prefix sharing) or padded as the run is,
         on this rank's device."""
         setup = self.setup
-        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.cfg.packing,
-                           shared_prefix=setup.prefix_sharing,
-                           grouped=setup.prefix_sharing and setup.cfg.prompt_groups).to(self.device)
+        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.row_layout).to(self.device)
 
     def check_packing(self) -> None:
         """The start-up guard (packed runs): packed log-probs, in the run's layout (prefix-shared or not), equal each
@@ -323,7 +316,7 @@ class Run:
         model = self.policy if self.policy is not None else self.reference
         self.packing_check = assert_packing_exact(model, self.setup.model_attn, self.setup.vocab_size,
                                                   self.setup.pad_token_id, device=self.device, forward=self._forward,
-                                                  shared_prefix=self.setup.prefix_sharing)
+                                                  shared_prefix=self.setup.row_layout.shares_prefixes)
 
     def close(self) -> None:
         """Frees the engines before the next run of this process is built (a bench's next configuration)."""

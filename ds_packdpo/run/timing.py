@@ -87,7 +87,7 @@ def throughput_meter(run) -> ThroughputMeter:
     prepared = run.setup.prepared
     model_reference = run.reference is not None and not run.reference_is_precomputed
     return ThroughputMeter(FlopModel.of(run.policy, with_reference=model_reference), prepared.chosen_lengths,
-                           prepared.rejected_lengths, packed=run.setup.cfg.packing,
+                           prepared.rejected_lengths, run.setup.row_layout,
                            world_size=run.setup.layout.world_size, peak_tflops=run.setup.cfg.peak_tflops,
-                           prompt_lengths=prepared.prompt_lengths, prefix_sharing=run.setup.prefix_sharing,
+                           prompt_lengths=prepared.prompt_lengths,
                            policy_prepass=needs_policy_prepass(run.setup.loss_cfg))

@@ -136,8 +136,9 @@ def plan_summary(setup: RunSetup) -> dict:
     held_out = setup.held_out.pairs.chosen_lengths.size if setup.held_out else 0
     return {"pairs": figures["pairs"], "train_pairs": int(setup.prepared.chosen_lengths.size),
             "steps": schedule.total_steps, "layout": setup.layout.as_dict(),
-            "attention": {"backend": setup.attn, "dtype": cfg.dtype, "prefix_sharing": setup.prefix_sharing,
-                          "prompt_groups": setup.prefix_sharing and cfg.prompt_groups}, **figures,
+            "attention": {"backend": setup.attn, "dtype": cfg.dtype,
+                          "prefix_sharing": setup.row_layout.shares_prefixes,
+                          "prompt_groups": setup.row_layout.groups_prompts}, **figures,
             "eval_pairs": held_out, "eval_steps": cfg.eval_steps if held_out else None,
             "schedule": dataclasses.asdict(schedule), "deepspeed_scheduler": setup.ds_config.get("scheduler")}
 
