@@ -58,7 +58,7 @@ from ..config import TrainConfig
 from ..errors import DiskFullError, InputError
 from ..files import atomic_write, fsync_dir, fsync_tree
 from ..model.lora import LoraSettings, parameter_counts, save_adapter_config
-from . import faults
+from . import hooks
 from .layout import ParallelLayout, describe_sizes
 from .manifest import has_manifest, manifest_problem, read_manifest, total_bytes, write_manifest
 from .reference_sync import REFERENCE_FILE, RefSync, reference_files
@@ -451,7 +451,7 @@ class Checkpointer:
         if self.reference_sync is not None:  # absent otherwise: a checkpoint without TR-DPO is unchanged
             state["ref_sync"] = self.reference_sync.settings.record()
         try:
-            with faults.full_disk(rank, global_step):
+            with hooks.installed().saving(rank, global_step):
                 self._write(engine, tag_dir, state)
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -473,7 +473,7 @@ class Checkpointer:
             (tag_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         engine.save_checkpoint(str(self.save_dir), tag=tag, client_state={CLIENT_STATE_KEY: state},
                                save_latest=False)  # ends with a barrier: every rank's files are written
-        faults.kill_point(rank, state["position"]["global_step"], "save")
+        hooks.installed().saved(rank, state["position"]["global_step"])
         for path in files_of_rank(tag_dir, rank):
             fsync_tree(path)  # by the rank that wrote it: on a shared file system only its node holds the dirty pages
         dist.barrier()

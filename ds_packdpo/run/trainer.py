@@ -21,7 +21,7 @@ from ..config import TrainConfig
 from ..data.run_plan import plan_figures, run_plan
 from ..errors import PeerFailureError, RunAbortedError, TooManyBadStepsError, first_line
 from ..model.losses import global_normalized_loss, metric_means, metric_sums, pair_losses
-from . import faults, stop
+from . import hooks, stop
 from .assemble import Run, RunSetup, prepare, start
 from .checkpoint import Checkpointer, ResumePoint, export_on_end_dir, resolved_save_dir, tag_name
 from .evaluation import due as evaluation_due
@@ -48,6 +48,7 @@ class DPOTrainer:
         self.layout = run.setup.layout
         self.policy = run.policy
         self.device = run.device
+        self.hooks = hooks.installed()
 
     def _skip_if_any_rank_bad(self, loss, bad):
         """Makes a step with a non-finite loss on any rank a step DeepSpeed skips, on every rank alike.
@@ -62,25 +63,22 @@ class DPOTrainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return loss * float("nan") if flag.item() > 0 else loss
 
-    def train_step(self, plan, inject_nan: bool = False) -> dict:
-        """One optimizer step over this rank's rows; returns the metrics of the whole step (all ranks).
-
-        ``inject_nan`` (fault injection, tests only) makes every loss of the step NaN.
-        """
+    def train_step(self, plan, step: int = 0) -> dict:
+        """Optimizer step ``step`` (1-based; a step hook may act on it) over this rank's rows; returns the metrics of
+        the whole step (all ranks)."""
         rows = plan.ranks[self.layout.dp_rank]
         sums: dict[str, torch.Tensor] = {}
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         lr = self.policy.get_lr()[0] if self.policy.get_lr() else self.cfg.lr
         counted = float(self.layout.counts_metrics)
         batches = [self.run.row_batch(row) for row in rows]
-        step = CoupledStep(self.run, plan, batches)  # the whole step's statistic, when a batch-coupled loss needs it
+        coupled = CoupledStep(self.run, plan, batches)  # the whole step's statistic, when a batch-coupled loss needs it
         for i, batch in enumerate(batches):
-            ref = step.reference_logps(i)
+            ref = coupled.reference_logps(i)
             self.policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
             pol = self.run.forward_logps(self.policy, batch)
-            losses, per_pair = pair_losses(pol, ref, self.run.setup.loss_cfg, step.partners(i))
-            if inject_nan:
-                losses = losses * float("nan")
+            losses, per_pair = pair_losses(pol, ref, self.run.setup.loss_cfg, coupled.partners(i))
+            losses = self.hooks.losses(step, losses)
             bad |= ~torch.isfinite(losses.detach()).all()
             loss = global_normalized_loss(losses, plan.num_pairs, self.layout.gradient_divisor)
             if i == len(rows) - 1:
@@ -217,13 +215,10 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
         for plan in plans:  # collectives here fail fast on a dead peer, after --collective-timeout-s on a stalled one
             if global_step >= steps:
                 break
-            faults.kill_point(setup.layout.rank, global_step + 1)
-            faults.wait_for_stop(global_step + 1, run.device)
-            armed = faults.arm_kill_in_model(run.policy.module, setup.layout.rank, global_step + 1)
+            undo = trainer.hooks.step_begins(run, global_step + 1)
             timer.begin()
-            metrics = trainer.train_step(plan, inject_nan=faults.nan_step(global_step + 1))
-            for handle in armed:
-                handle.remove()
+            metrics = trainer.train_step(plan, global_step + 1)
+            undo()
             seconds = timer.seconds()
             global_step += 1
             if reference_sync is not None:  # on schedule, skipped steps included (TRL's on_step_end), before eval/save
