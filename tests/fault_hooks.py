@@ -86,7 +86,7 @@ class FaultHooks(StepHooks):
     """The faults the environment asks for, at the run's step hooks."""
 
     def step_begins(self, run, step: int):
-        rank = run.setup.layout.rank
+        rank = run.setup.spec.layout.rank
         kill_point(rank, step)
         wait_for_stop(step, run.device)
         armed = arm_kill_in_model(run.policy.module, rank, step)

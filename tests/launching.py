@@ -192,7 +192,7 @@ def rank_check_main(main) -> None:
 def write_rank_report(run, report: dict, out_path: str) -> None:
     """The end of a rank check script: the engines freed, rank 0 writes the figures as JSON, every rank waits."""
     run.close()
-    if run.setup.layout.rank == 0:
+    if run.setup.spec.layout.rank == 0:
         with open(out_path, "w") as handle:
             json.dump(report, handle)
     dist.barrier()

@@ -90,7 +90,7 @@ def test_phase_one_resolves_auto_and_refuses_fused_on_cpu(tmp_path, no_launch, c
 
     flags = ["--output-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--synthetic-pairs", "16",
              "--max-length", "64"]
-    assert prepare(parse_train_args(flags), "train", world_size=1).cfg.logps_impl == "lean"
+    assert prepare(parse_train_args(flags), "train", world_size=1).spec.logps.impl == "lean"
     code = cli.main(["train", *flags, "--logps-impl", "fused"])
     assert_one_line_error(code, capsys.readouterr().err, "--logps-impl fused:", "CUDA", "--logps-impl lean")
     assert not (tmp_path / "run").exists()

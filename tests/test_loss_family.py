@@ -17,6 +17,7 @@ from ds_packdpo.model.collate import collate_grouped, collate_packed
 from ds_packdpo.model.logps import SequenceLogps, forward_logps
 from ds_packdpo.model.loss_family import TRL_LOSS_TYPES, FamilyConfig, family_pair_losses
 from ds_packdpo.model.losses import LossConfig, global_normalized_loss, metric_means, metric_sums, pair_losses
+from ds_packdpo.run.assemble import loss_spec
 
 from test_token_weights import VOCAB, grouped_pairs
 
@@ -113,14 +114,14 @@ def test_bad_combinations_are_refused_in_one_line(kwargs, flag):
 
 
 def test_loss_flags_reach_the_loss_and_change_it():
-    """--loss a,b --loss-weights and --f-divergence-type/--discopop-tau go through TrainConfig.loss_config()."""
+    """--loss a,b --loss-weights and --f-divergence-type/--discopop-tau go through the run's loss section."""
     completion, shifted, per_token, ref = example(seed=5)
     tokens = canonical(shifted.sum(1))
     policy = SequenceLogps(canonical((per_token * shifted).sum(1)).detach(), tokens, torch.zeros_like(tokens))
     reference = SequenceLogps(canonical(ref), tokens, torch.zeros_like(tokens))
 
     def loss_of(**flags):
-        return pair_losses(policy, reference, TrainConfig(**flags).loss_config())[0].mean()
+        return pair_losses(policy, reference, loss_spec(TrainConfig(**flags)))[0].mean()
 
     plain = loss_of(loss="sigmoid")
     assert loss_of(loss="sigmoid,aot", loss_weights="1,0") == pytest.approx(float(plain), rel=1e-12)
@@ -146,7 +147,7 @@ def test_loss_flags_reach_the_loss_and_change_it():
                              ({"discopop_tau": 0.2}, "--discopop-tau", "--loss sigmoid"),
                              ({"loss": "ipo", "simpo_gamma": 1.0}, "--simpo-gamma", "only --loss simpo uses it")):
         with pytest.raises(InputError) as info:
-            TrainConfig(**flags).loss_config()
+            loss_spec(TrainConfig(**flags))
         assert str(info.value).startswith(flag) and why in str(info.value) and "\n" not in str(info.value)
 
 

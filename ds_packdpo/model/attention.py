@@ -150,6 +150,16 @@ AUTO_ON_CUDA: dict[str, Callable[[], bool]] = {
 VARLEN_NAMES = (*(b.name for b in BACKENDS.values() if b.varlen), ULYSSES_ATTN, *PREFIX_FLASH.values())
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A run's attention: the backend that runs (--attn resolved), what the model is built with, and whether phase
+    two checks its packed rows against each sequence alone before training (model/guard.py)."""
+
+    backend: str  # a key of BACKENDS
+    model_attn: str  # AttentionBackend.model_implementation for the run's layout and row layout
+    packing_check: bool  # --skip-packing-check turns it off
+
+
 def attn_implementation(attn: str) -> str:
     """The ``attn_implementation`` a model is built with for backend ``attn`` (or an implementation name itself)."""
     return BACKENDS[attn].implementation if attn in BACKENDS else attn

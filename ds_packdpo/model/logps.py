@@ -538,6 +538,14 @@ LOGPS_IMPLEMENTATIONS: dict[str, LogpsImplementation] = {impl.name: impl for imp
 AUTO_ORDER = (FUSED, LEAN)  # --logps-impl auto: the first that runs here
 
 
+@dataclass(frozen=True)
+class LogpsSpec:
+    """How a run's forwards turn into per-sequence log-probs."""
+
+    impl: str  # a key of LOGPS_IMPLEMENTATIONS (--logps-impl auto resolved)
+    chunk_tokens: int | str  # completion tokens per chunk, or "auto" (auto_chunk_tokens)
+
+
 def resolve_logps_impl(requested: str, device_type: str, final_logit_softcap: float | None,
                        lora_on_head: bool) -> str:
     """``--logps-impl``: ``auto`` is the first of :data:`AUTO_ORDER` that runs here; a written implementation that

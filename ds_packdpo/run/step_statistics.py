@@ -98,16 +98,16 @@ class CoupledStep:
         self.run, self.batches, self.slots = run, batches, slot_index(plan)
         self.statistic: StepStatistic | None = None
         self._references: list[SequenceLogps | None] = [None] * len(batches)
-        names = coupled_losses(run.setup.loss_cfg)
-        if not names:
+        loss = run.setup.spec.loss
+        if not coupled_losses(loss):
             return
         policies = None
-        if needs_policy_prepass(run.setup.loss_cfg):  # the no-grad pre-pass: every row, dummy rows included (lock-step)
+        if needs_policy_prepass(loss):  # the no-grad pre-pass: every row, dummy rows included (lock-step)
             self._references = [run.reference_logps(batch) for batch in batches]
             with torch.no_grad():
                 policies = [run.forward_logps(run.policy, batch) for batch in batches]
         self.statistic = step_statistic(plan, batches, policies, self._references if policies is not None else None,
-                                        run.setup.layout, run.device)
+                                        run.setup.spec.layout, run.device)
 
     def reference_logps(self, i: int) -> SequenceLogps | None:
         """Row i's reference log-probs: the pre-pass's, else computed now."""
