@@ -45,7 +45,7 @@ from .files import check_output_folder
 from .precompute_ref import precompute
 from .report import build_report, write_report_folder
 from .model.build import ModelSpec, tiny_config
-from .run.assemble import RunSetup, model_spec, prepare, reference_free, start
+from .run.assemble import RunSetup, model_spec, prepare, start
 from .run.engines import model_config
 from .run.process_group import close_process_group, exit_rank
 from .run.reference import precomputed_conflict
@@ -315,7 +315,7 @@ def check_configurations(flags, settings: BenchSettings, world_size: int | None 
     setups = {}
     for name in settings.configurations:
         if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:  # its file does not exist yet
-            conflict = precomputed_conflict(reference_free(first.spec.loss), first.spec.reference.offload)
+            conflict = precomputed_conflict(first.spec.loss, first.spec.reference.offload)
             if conflict:  # else it would measure the run without it, under its name
                 raise InputError(f"--configurations {name}: {conflict}")
             setups[name] = None

@@ -7,8 +7,9 @@ happens here, in every command, in milliseconds: each value's type, choice and r
 (:data:`RANGES`), a setting written without the flag that turns it on, the folders a run
 makes.  The flags are then resolved once, by ``run/assemble.py``, into the run's settings
 (``assemble.RunSpec``), a tree of sections each defined beside the component that owns
-it and checking how its own values fit together; the sections of the data floor, which
-the commands without a model (prepare, pack-stats) read too, are built here.
+it and checking how its own values fit together; the sections of the data floor and the
+loss's, which the commands without a model (prepare, pack-stats) read or check too, are
+built here.
 """
 
 from __future__ import annotations
@@ -71,29 +72,23 @@ class Range:
 AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
 FRACTION = Range(0, 1, high_open=True)  # [0, 1)
 # Each numeric flag's values: a value outside is refused in every command, before any work (its consumer would fail,
-# or do nothing sensible).  Flags not named take any finite value up to LARGEST_COUNT.
+# or do nothing sensible).  The loss's settings are the loss registry's (model/loss_registry.py: LossConfig.validate);
+# flags not named take any finite value up to LARGEST_COUNT.
 RANGES: dict[str, Range] = {
-    **dict.fromkeys(("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight",
-                     "rpo_alpha"), AT_LEAST_0),
+    **dict.fromkeys(("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight"),
+                    AT_LEAST_0),
     **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc",
                      "sequence_parallel_size", "logging_steps", "max_tokens_per_row", "global_batch_pairs",
                      "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs", "eval_steps", "eval_max_pairs",
                      "save_steps", "save_total_limit", "max_bad_steps", "ref_model_sync_steps"), AT_LEAST_1),
-    **dict.fromkeys(("peak_tflops", "collective_timeout_s", "discopop_tau", "lora_alpha"), ABOVE_0),
+    **dict.fromkeys(("peak_tflops", "collective_timeout_s", "lora_alpha"), ABOVE_0),
     **dict.fromkeys(("adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "lora_dropout"), FRACTION),
     "seed": Range(0, LARGEST_SEED, note=" (numpy's seeds)"),
     "stop_grace_s": Range(0, low_open=True, note=" seconds"),
     "lora_r": Range(0, note=" (0: full fine-tuning)"),
-    "label_smoothing": Range(0, 0.5, high_open=True),
-    "ld_alpha": Range(0, 1, note=" (the weight of the tokens past the shorter completion's length)"),
     "ref_model_mixup_alpha": Range(0, 1),
     "eval_fraction": Range(0, 1, low_open=True, high_open=True),
 }
-
-# --loss names (model.losses and TRL 1.16's family, model.loss_family), checked in phase one without the model stack
-LOSS_NAMES = ("sigmoid", "robust", "hinge", "ipo", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
-
 
 @dataclass
 class TrainConfig:
@@ -306,8 +301,8 @@ class TrainConfig:
         """The row layout the flags ask for (phase one may give way to what the attention backend runs)."""
         return RowLayout.of(self.packing, self.prefix_sharing, self.prompt_groups)
 
-    # The sections of the data floor, which the commands without a model (prepare, pack-stats) read too; the
-    # run's other sections are resolved by run/assemble.py.
+    # The sections that the commands without a model (prepare, pack-stats) read or check too: the data floor's and
+    # the loss's; the run's other sections are resolved by run/assemble.py.
     def data_spec(self):
         """What the run reads: its dataset (the embedded synthetic set when none), tokenized how, and its
         tokenizer."""
@@ -332,6 +327,24 @@ class TrainConfig:
         if self.eval_dataset is not None:
             dataset = dataclasses.replace(tokenization, dataset=self.eval_dataset, max_pairs=self.eval_max_pairs)
         return EvalSpec(self.eval_fraction, dataset, self.eval_max_pairs, self.eval_steps)
+
+    def loss_config(self, together: bool = True):
+        """The loss settings (model.loss_registry.LossConfig), validated: every rule about a loss is there (not
+        ``together``: each setting on its own, as the flags are parsed for any command)."""
+        # Deferred import: the loss registry brings torch, which the settings alone do not need.
+        from .model.loss_registry import LossConfig
+
+        try:
+            weights = None if self.loss_weights is None else tuple(float(w) for w in self.loss_weights.split(","))
+        except ValueError:
+            raise InputError(f"--loss-weights: {self.loss_weights!r} is not a comma-separated list of numbers") from None
+        loss = LossConfig(loss_type=self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
+                          simpo_gamma=self.simpo_gamma, rpo_alpha=self.rpo_alpha, loss_weights=weights,
+                          f_divergence_type=self.f_divergence_type,
+                          f_alpha_divergence_coef=self.f_alpha_divergence_coef, discopop_tau=self.discopop_tau,
+                          ld_alpha=self.ld_alpha, use_weighting=self.use_weighting)
+        loss.validate(together)
+        return loss
 
     def plan_spec(self, layout, row_layout: RowLayout) -> PlanSpec:
         """The plan of this run laid out as ``layout`` (a run.layout.ParallelLayout), its rows in ``row_layout``.
@@ -368,13 +381,9 @@ class TrainConfig:
                 raise InputError(f"--{flag(f.name)} must be at most {LARGEST_COUNT}, got {value}")
             if value is not None and f.name in RANGES and not RANGES[f.name].holds(value):
                 raise InputError(f"--{flag(f.name)} must be {RANGES[f.name]}, got {value}")
-        if self.lr <= 0 or self.beta <= 0:
+        if self.lr <= 0:  # (--beta > 0 is the loss settings' rule, checked below)
             raise InputError(f"--lr and --beta must be > 0, got lr={self.lr} beta={self.beta}")
-        unknown = [name for name in self.loss.split(",") if name not in LOSS_NAMES]
-        if unknown:
-            raise InputError(f"--loss: unknown loss {unknown[0]!r} (choices: {', '.join(LOSS_NAMES)})")
-        if self.loss_weights is not None and len(self.loss_weights.split(",")) != len(self.loss.split(",")):
-            raise InputError(f"--loss-weights: {self.loss_weights!r} has not one weight per --loss entry ({self.loss})")
+        self.loss_config(together=False)
         if self.logps_chunk_tokens != "auto" and not (self.logps_chunk_tokens.isdigit() and int(self.logps_chunk_tokens)):
             raise InputError(f"--logps-chunk-tokens must be 'auto' or a number >= 1, got {self.logps_chunk_tokens!r}")
         if self.global_batch_pairs is not None and self.tokens_per_step is not None:

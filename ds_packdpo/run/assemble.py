@@ -47,7 +47,7 @@ from ..model.hf_folder import shard_size_bytes
 from ..model.logps import (AUTO_CHUNK, LEAN, LogpsSpec, SequenceLogps, TokenWeighting, forward_logps,
                            resolve_logps_impl)
 from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
-from ..model.losses import LossConfig
+from ..model.loss_registry import LossConfig
 from .checkpoint import CheckpointSpec, ResumePoint, check_resume, plan_fingerprint, resumes_in_place
 from .engines import (OptimizerSpec, build_evaluated_policy, build_policy, build_reference, fill_ds_config,
                       load_ds_config, load_model, model_config, reference_ds_config, reference_model_config,
@@ -85,7 +85,7 @@ class RunSpec:
     data: DataSpec  # data/source.py: the dataset, its tokenization, the tokenizer
     evaluation: EvalSpec  # data/heldout.py: the held-out pairs and how often they are evaluated
     plan: PlanSpec  # data/run_plan.py: the planner's settings (the row layout among them), epochs, last step
-    loss: LossConfig  # model/losses.py
+    loss: LossConfig  # model/loss_registry.py: the losses and their parameters
     attention: AttentionSpec  # model/attention.py: the backend and what the model is built with
     logps: LogpsSpec  # model/logps.py: the log-prob implementation and its chunk
     optimizer: OptimizerSpec  # run/engines.py
@@ -97,11 +97,6 @@ class RunSpec:
     @property
     def row_layout(self) -> RowLayout:
         return self.plan.config.layout
-
-
-def reference_free(loss: LossConfig) -> bool:
-    """Whether the run's loss needs no reference log-probs (SimPO)."""
-    return loss.loss_type == "simpo"
 
 
 # ----------------------------------------------------------------------------- the flags, section by section
@@ -126,22 +121,7 @@ def ref_sync(flags: TrainConfig) -> RefSync | None:
 def reference_spec(flags: TrainConfig, model: ModelSpec, loss: LossConfig, evaluation: EvalSpec) -> ReferenceSpec:
     return ReferenceSpec(logps_file=flags.ref_logps, offload=flags.ref_offload, sync=ref_sync(flags),
                          lora=model.lora is not None, separate_model=model.reference is not None,
-                         reference_free=reference_free(loss), held_out_dataset=evaluation.dataset is not None)
-
-
-def loss_spec(flags: TrainConfig) -> LossConfig:
-    """The loss settings, validated."""
-    try:
-        weights = None if flags.loss_weights is None else tuple(float(w) for w in flags.loss_weights.split(","))
-    except ValueError:
-        raise InputError(f"--loss-weights: {flags.loss_weights!r} is not a comma-separated list of numbers") from None
-    loss = LossConfig(loss_type=flags.loss, beta=flags.beta, label_smoothing=flags.label_smoothing,
-                      simpo_gamma=flags.simpo_gamma, rpo_alpha=flags.rpo_alpha, loss_weights=weights,
-                      f_divergence_type=flags.f_divergence_type,
-                      f_alpha_divergence_coef=flags.f_alpha_divergence_coef, discopop_tau=flags.discopop_tau,
-                      ld_alpha=flags.ld_alpha, use_weighting=flags.use_weighting)
-    loss.validate()
-    return loss
+                         loss=loss, held_out_dataset=evaluation.dataset is not None)
 
 
 def optimizer_spec(flags: TrainConfig) -> OptimizerSpec:
@@ -304,7 +284,7 @@ def check_evaluation_models(model: ModelSpec, reference: ReferenceSpec, loss: Lo
     reward would be 0 (SimPO needs none)."""
     if model.path is None:
         raise InputError("eval: --model is required (the trained or exported Hugging Face folder to evaluate)")
-    if model.reference is None and reference.logps_file is None and not reference_free(loss):
+    if model.reference is None and reference.logps_file is None and loss.needs_reference:
         raise InputError("eval: --ref-model (the model the policy was trained from) or --ref-logps is required: with "
                          "--model as its own reference every reward is 0")
 
@@ -328,7 +308,7 @@ def prepare(flags: TrainConfig, command: str = "train", world_size: int | None =
     check_adam_settings(flags.optimizer, flags.given)
     dtype = resolve_dtype(flags.dtype, device_type)
     attn = resolve_attn(flags.attn, device_type, needs_backward=command in TRAINING_COMMANDS, dtype=dtype)
-    loss = loss_spec(flags)
+    loss = flags.loss_config()
     data = flags.data_spec()
     evaluation = flags.evaluation_spec(data.tokenization)
     model = model_spec(flags, dtype)
@@ -482,7 +462,7 @@ def start(setup: RunSetup) -> Run:
         policy = build_evaluated_policy(model, setup.ds_config, setup.vocab_size, attn, mpu)
     if setup.precomputed is not None:
         reference = setup.precomputed
-    elif spec.command in EVALUATING_COMMANDS and reference_free(spec.loss):
+    elif spec.command in EVALUATING_COMMANDS and not spec.loss.needs_reference:
         reference = None  # reference-free
     elif spec.command in TRAINING_COMMANDS and model.lora is not None and model.reference is None:
         reference = AdaptersOff()  # no second model: the base weights are the policy's own, frozen

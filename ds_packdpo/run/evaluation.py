@@ -30,7 +30,7 @@ from ..model.guard import evaluating
 from ..model.losses import metric_means, metric_sums, pair_losses
 from .metrics import add_sums, sum_over_ranks
 from .reference import PrecomputedReference, reference_fingerprint
-from .step_statistics import coupled_losses, slot_index, slots_of, step_statistic
+from .step_statistics import slot_index, slots_of, step_statistic
 
 PREFIX = "eval_"
 
@@ -75,7 +75,7 @@ def evaluate(run, progress: bool = False) -> dict:
             bar.update(1)
         bar.close()
         statistic, slots = None, slot_index(held.plan)
-        if coupled_losses(spec.loss):  # sorted / token-averaged over the whole held-out set
+        if spec.loss.batch_coupled:  # sorted / token-averaged over the whole held-out set
             statistic = step_statistic(held.plan, batches, policies, references, layout, run.device)
         for batch, policy, reference in zip(batches, policies, references):
             partners = statistic.partners(slots_of(slots, batch)) if statistic is not None else None

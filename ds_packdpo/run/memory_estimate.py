@@ -25,7 +25,7 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from transformers import AutoModelForCausalLM
 
-from .assemble import RunSetup, reference_free
+from .assemble import RunSetup
 from ..model.logps import LOGPS_IMPLEMENTATIONS, auto_chunk_tokens
 from ..model.lora import LoraSettings, add_adapters
 from .engines import model_config, reference_model_config, zero_stage
@@ -89,7 +89,7 @@ def estimate_memory(setup: RunSetup) -> dict:
     optimizer = 0 if offload_optimizer else OPTIMIZER_BYTES_PER_PARAMETER * trainable // world
     states += frozen_weights
     reference = 0
-    if setup.precomputed is None and not reference_free(spec.loss) and not (model.lora and model.reference is None):
+    if setup.precomputed is None and spec.loss.needs_reference and not (model.lora and model.reference is None):
         ref_total = total if model.reference is None else parameter_counts(reference_model_config(
             model, setup.vocab_size), model.trust_remote_code)[0]
         reference = 0 if spec.reference.offload else ref_total * element // (world if stage3 else 1)

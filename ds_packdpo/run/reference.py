@@ -34,6 +34,7 @@ from ..files import atomic_write, check_not_an_input
 from ..hub import hub_commit, is_hub_id
 from ..model.build import ModelSpec, load_model_config
 from ..model.logps import SequenceLogps
+from ..model.loss_registry import LossConfig
 from .engines import zero_stage
 from .reference_sync import RefSync
 
@@ -58,10 +59,10 @@ class ReferenceSpec:
     sync: RefSync | None  # --sync-ref-model (None: a fixed reference)
     lora: InitVar[bool] = False  # the policy trains LoRA adapters (its reference: the policy with them off)
     separate_model: InitVar[bool] = False  # --ref-model names a reference model
-    reference_free: InitVar[bool] = False  # the loss needs no reference (SimPO)
+    loss: InitVar[LossConfig | None] = None  # the run's loss (one that needs no reference: SimPO)
     held_out_dataset: InitVar[bool] = False  # --eval-dataset: held-out pairs of another dataset
 
-    def __post_init__(self, lora: bool, separate_model: bool, reference_free: bool, held_out_dataset: bool):
+    def __post_init__(self, lora: bool, separate_model: bool, loss: LossConfig | None, held_out_dataset: bool):
         if self.logps_file is not None and held_out_dataset:
             raise InputError(f"--eval-dataset with --ref-logps {self.logps_file}: the file holds the reference log-probs "
                              f"of --dataset only; evaluate on --eval-fraction of it, or drop --ref-logps")
@@ -76,22 +77,22 @@ class ReferenceSpec:
             if self.logps_file is not None:
                 raise InputError(f"--sync-ref-model with --ref-logps {self.logps_file}: precomputed log-probs are of a "
                                  f"fixed reference, which TR-DPO moves; drop one of them")
-            if reference_free:
-                raise InputError("--sync-ref-model with --loss simpo: SimPO is reference-free, there is no reference to "
-                                 "mix")
+            if loss is not None and not loss.needs_reference:
+                raise InputError(f"--sync-ref-model with --loss {loss.loss_type}: {loss.specs[0].title} is "
+                                 f"reference-free, there is no reference to mix")
         if self.logps_file is not None:
             if not Path(self.logps_file).is_file():
                 raise InputError(f"--ref-logps {self.logps_file}: no such file")
-            conflict = precomputed_conflict(reference_free, self.offload)
+            conflict = precomputed_conflict(loss, self.offload)
             if conflict:
                 raise InputError(f"--ref-logps {self.logps_file}: {conflict}; drop one of them")
 
 
-def precomputed_conflict(reference_free: bool, offload: bool) -> str | None:
+def precomputed_conflict(loss: LossConfig | None, offload: bool) -> str | None:
     """Why a run takes no precomputed reference (None: it does): its loss needs none, or it offloads a reference
     model."""
-    if reference_free:
-        return "--loss simpo is reference-free"
+    if loss is not None and not loss.needs_reference:
+        return f"--loss {loss.loss_type} is reference-free"
     return "--ref-offload needs a reference model" if offload else None
 
 

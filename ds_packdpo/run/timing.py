@@ -11,7 +11,6 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..model.flops import FlopModel, ThroughputMeter
-from .step_statistics import needs_policy_prepass
 
 
 class StepTimer:
@@ -89,4 +88,4 @@ def throughput_meter(run) -> ThroughputMeter:
     return ThroughputMeter(FlopModel.of(run.policy, with_reference=model_reference), prepared.chosen_lengths,
                            prepared.rejected_lengths, spec.plan.config.layout, world_size=spec.layout.world_size,
                            peak_tflops=spec.outputs.peak_tflops, prompt_lengths=prepared.prompt_lengths,
-                           policy_prepass=needs_policy_prepass(spec.loss))
+                           policy_prepass=spec.loss.needs_policy_prepass)
