@@ -24,7 +24,7 @@ from .bench_rounds import NOISY_SPREAD, five_numbers, median_round, round_entry,
 from .comparisons import COMPARISONS, PACKED, UNSHARED, comparisons, headline, key_schema, report_keys
 from .errors import InputError
 from .files import atomic_folder, check_output_folder
-from .model.coupled_losses import SORTED_LOSSES
+from .model.loss_registry import needs_policy_prepass
 from .report_plots import PLOTS, plot_merged, plot_report
 
 SCHEMA_VERSION = 7  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
@@ -240,8 +240,7 @@ def upgrade_before_rounds(report: dict, source: str) -> None:
 def upgrade_schema_3(report: dict) -> None:
     """A schema-3 report in schema 4's form: its runs' ``prepass_flops`` is 0 for a loss without the aot pre-pass
     (nothing was left out) and null, unknown, for one with it (schema 3 did not record it)."""
-    losses = set(str(report["settings"].get("loss", "")).split(","))
-    unrecorded = None if losses & set(SORTED_LOSSES) else 0.0
+    unrecorded = None if needs_policy_prepass(str(report["settings"].get("loss", "")).split(",")) else 0.0
     for run in report["runs"].values():
         run.setdefault("prepass_flops", unrecorded)
 
