@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from test_scale import closed_form
 from ds_packdpo import cli
 from ds_packdpo.run.checkpoint import LATEST, STATE_FILE
 from ds_packdpo.run.manifest import MANIFEST_FILE
+from ds_packdpo.run.process_group import ROLL_CALL_S
 
 COMMON = ["--synthetic-pairs", "48", "--global-batch-pairs", "8", "--max-length", "96", "--lr", "1e-3",
           "--dtype", "fp32", "--no-progress", "--max-steps", "6"]
@@ -167,8 +169,10 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys, two_rank_run)
     survivor_seconds = time.monotonic() - dead
     log0 = (tmp_path / "node0.log").read_text()
     assert code0 == 5 and survivor_seconds < timeout, (code0, survivor_seconds, log0[-3000:])  # PeerFailureError
-    assert "error: rank 0: a collective failed after step 4: another rank died or stalled longer than " \
-           f"--collective-timeout-s {timeout}; relaunch with --resume auto" in log0
+    # the one line names the dead rank, with the host and pid it left in the rendezvous store (run/process_group.py)
+    assert re.search(r"error: rank 0: a collective failed after step 4: rank 1 \(\S+, pid \d+\) did not answer within "
+                     rf"{ROLL_CALL_S:g} s: it died or stalled longer than --collective-timeout-s {timeout}; relaunch "
+                     "with --resume auto", log0), log0[-3000:]
     assert (killed / "checkpoints" / LATEST).read_text() == "global_step3"
     assert_same_steps(read_metrics(killed / "metrics.jsonl"), reference, range(1, 5))
 
