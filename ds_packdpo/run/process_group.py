@@ -28,6 +28,7 @@ import torch.distributed as dist
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from ..errors import PeerFailureError, first_line, run_guarded
+from . import stop
 from .build_lock import remove_stale_locks
 from .layout import ParallelLayout, free_port, launched
 
@@ -35,7 +36,9 @@ from .layout import ParallelLayout, free_port, launched
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 SHM_DIR = Path("/dev/shm")
 ROLL_CALL = "ds_packdpo/roll_call"  # the keys of the roll call in the rendezvous store
-ROLL_CALL_S = 5.0  # how long the survivors of a failed collective wait for each other's answer
+# How long the survivors of a failed collective wait for each other's answer: gloo fails every survivor of a dead rank
+# within milliseconds (measured here); each second of it is added to the time a death takes to end the job.
+ROLL_CALL_S = 2.0
 
 
 def init_process_group(layout: ParallelLayout, collective_timeout_s: float, quiet: bool = False) -> None:
@@ -106,8 +109,12 @@ def lost_peers() -> str:
     the others; the ranks that did not answer are named with the host and pid each left there
     as the group started ("rank 1 (node2, pid 4242) did not answer within 5 s: it died or
     stalled").  A store that cannot be reached went with the process that served it: rank 0's.
+    No roll call in a rank its launcher is stopping (a stop signal came: DeepSpeed's launcher
+    sends SIGTERM to the others when one of its ranks died): the job is ending already.
     Never raises: it runs while a failure is being reported, which it must not replace.
     """
+    if stop.requested():
+        return "another rank died or stalled"
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         try:
