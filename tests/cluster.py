@@ -38,7 +38,7 @@ TOOLS = ("unshare", "nsenter", "ip", "sshd", "ssh", "ssh-keygen", "pdsh", "munge
 REQUIRED_ENV = "DS_PACKDPO_CLUSTER_REQUIRED"
 SBIN_PATH = os.pathsep.join((os.environ.get("PATH", ""), "/usr/sbin", "/sbin"))
 SSH_PORT = 2222  # any port: the namespace is empty
-SSH_NODES = {"node1": "127.0.0.1", "node2": "127.0.0.2"}
+NODES = {"node1": "127.0.0.1", "node2": "127.0.0.2"}  # for ssh and for Slurm alike
 
 
 def tool(name: str) -> str:
@@ -49,12 +49,12 @@ def tool(name: str) -> str:
 
 def missing() -> str | None:
     """One line saying what the cluster tests lack on this machine and how to get it, or None."""
-    lacking = [name for name in TOOLS if shutil.which(name, path=SBIN_PATH) is None]
+    lacking = " ".join(name for name in TOOLS if shutil.which(name, path=SBIN_PATH) is None)
     if os.geteuid() != 0:
-        return (f"cluster tests need root (a network namespace, sshd, slurmd){' and ' + ' '.join(lacking) if lacking else ''}"
-                f": run `make cluster-test` as root")
+        return f"cluster tests need root (a network namespace, sshd, slurmd){' and ' + lacking if lacking else ''}: " \
+               f"run `make cluster-test` as root (it runs apt-get install -y {PACKAGES})"
     if lacking:
-        return f"cluster tests need {' '.join(lacking)}: `make cluster-test` installs them (apt-get install -y {PACKAGES})"
+        return f"cluster tests need {lacking}: `make cluster-test` installs them (apt-get install -y {PACKAGES})"
     return None
 
 
@@ -85,9 +85,10 @@ class Loopback:
         self.state = state
         # 127.0.0.2 is the second node; an address other than 127.0.0.1 also makes glibc's getaddrinfo (AI_ADDRCONFIG,
         # which Slurm uses) answer for IPv4 at all.
+        ip = tool("ip")
         self._holder = subprocess.Popen(
             [tool("unshare"), "--net", "--", "sh", "-c",
-             f"{tool('ip')} link set lo up && {tool('ip')} addr add 127.0.0.2/8 dev lo && echo up && exec sleep infinity"],
+             f"{ip} link set lo up && {ip} addr add {NODES['node2']}/8 dev lo && echo up && exec sleep infinity"],
             stdout=subprocess.PIPE, start_new_session=True)
         assert self._holder.stdout.readline() == b"up\n", "the loopback namespace did not come up"
         self.namespace = os.readlink(f"/proc/{self._holder.pid}/ns/net")
@@ -150,9 +151,9 @@ class SshNodes:
         (self.dir / "authorized_keys").write_text((self.dir / "client_key.pub").read_text())
         host_key = (self.dir / "host_key.pub").read_text().split()[:2]
         (self.dir / "known_hosts").write_text("".join(f"[{addr}]:{SSH_PORT} {' '.join(host_key)}\n"
-                                                      for addr in SSH_NODES.values()))
+                                                      for addr in NODES.values()))
         (self.dir / "sshd_config").write_text("\n".join([
-            *(f"ListenAddress {addr}:{SSH_PORT}" for addr in SSH_NODES.values()),
+            *(f"ListenAddress {addr}:{SSH_PORT}" for addr in NODES.values()),
             f"HostKey {self.dir / 'host_key'}",
             f"AuthorizedKeysFile {self.dir / 'authorized_keys'}",
             f"PidFile {self.dir / 'sshd.pid'}",
@@ -160,7 +161,7 @@ class SshNodes:
             "UsePAM no", "StrictModes no", "X11Forwarding no", "AllowTcpForwarding no", "LogLevel ERROR", ""]))
         # No Port here: the launch names it (--ssh_port), as it must for a cluster's non-standard port.
         (self.dir / "ssh_config").write_text("".join(f"Host {name}\n  HostName {addr}\n"
-                                                     for name, addr in SSH_NODES.items()) + "\n".join([
+                                                     for name, addr in NODES.items()) + "\n".join([
             "Host *", "  User root", f"  IdentityFile {self.dir / 'client_key'}", "  IdentitiesOnly yes",
             f"  UserKnownHostsFile {self.dir / 'known_hosts'}", "  StrictHostKeyChecking yes", "  BatchMode yes", ""]))
         wrapper = self.bin_dir / "ssh"
@@ -169,17 +170,24 @@ class SshNodes:
         self._made_privsep = not Path("/run/sshd").exists()
         if self._made_privsep:
             Path("/run/sshd").mkdir(mode=0o755)
-        self.server = net.start("sshd", [tool("sshd"), "-D", "-e", "-f", self.dir / "sshd_config"])
-        wait_until("sshd to accept the client key",
-                   lambda: self.ssh("node2", "true").returncode == 0 or self.server.poll() is not None, 15)
-        assert self.server.poll() is None, net.log_tail("sshd")
+        self.server = None
+        try:
+            self.server = net.start("sshd", [tool("sshd"), "-D", "-e", "-f", self.dir / "sshd_config"])
+            wait_until("sshd to accept the client key",
+                       lambda: self.ssh("node2", "true").returncode == 0 or self.server.poll() is not None, 15)
+            assert self.server.poll() is None, net.log_tail("sshd")
+        except BaseException:
+            self.close()
+            raise
 
     def ssh(self, node: str, command: str) -> subprocess.CompletedProcess:
         return self.net.run([self.bin_dir / "ssh", "-p", SSH_PORT, node, command], timeout=30)
 
     def close(self) -> None:
-        self.server.terminate()
-        self.server.wait()
+        """sshd stopped (its sessions go with the namespace), and /run/sshd removed if it was made here."""
+        if self.server is not None:
+            self.server.terminate()
+            self.server.wait()
         if self._made_privsep:
             with contextlib.suppress(OSError):
                 Path("/run/sshd").rmdir()
@@ -193,12 +201,11 @@ class Slurm:
     def __init__(self, net: Loopback, state: Path):
         self.net = net
         host = socket.gethostname()
-        self.nodes = {"node1": "127.0.0.1", "node2": "127.0.0.2"}
         self.dir = state / "slurm"
-        for sub in ("state", "munge", *(f"spool/{name}" for name in self.nodes)):
+        for sub in ("state", "munge", *(f"spool/{name}" for name in NODES)):
             (self.dir / sub).mkdir(parents=True)
         munge = self.dir / "munge"
-        munge.chmod(0o711)  # munged wants its socket's folder (and every folder above it) searchable by all
+        munge.chmod(0o711)  # munged wants its socket's folder (and every one above it) searchable by all
         (munge / "munge.key").write_bytes(os.urandom(1024))
         (munge / "munge.key").chmod(0o400)
         self.munge_socket = munge / "munge.socket"
@@ -208,7 +215,8 @@ class Slurm:
         wait_until("munged's socket", self.munge_socket.exists, 10)
         self.conf = self.dir / "slurm.conf"
         self.conf.write_text("\n".join([
-            "ClusterName=dspackdpo", f"SlurmctldHost={host}(127.0.0.1)", "SlurmctldPort=6817", "SlurmdPort=6818",
+            "ClusterName=dspackdpo", f"SlurmctldHost={host}({NODES['node1']})", "SlurmctldPort=6817",
+            "SlurmdPort=6818",  # any ports (the namespace is empty); each slurmd its own (Port=)
             "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
             # cred_expire: a requeued job waits this long before it may start again (120 s by default)
             f"AuthInfo=socket={self.munge_socket},cred_expire=10",
@@ -220,19 +228,19 @@ class Slurm:
             "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none", "ReturnToService=2",
             "KillWait=30", "InactiveLimit=0", "MinJobAge=600",
             *(f"NodeName={name} NodeHostname={host} NodeAddr={addr} Port={6820 + i} CPUs=1 State=UNKNOWN"
-              for i, (name, addr) in enumerate(self.nodes.items())),
+              for i, (name, addr) in enumerate(NODES.items())),
             # A job of `urgent` pre-empts one of `test`: SIGTERM, GraceTime to stop, then it is requeued.
             "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
-            f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE PriorityTier=1 "
+            f"PartitionName=test Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE PriorityTier=1 "
             "GraceTime=60 State=UP",
-            f"PartitionName=urgent Nodes={','.join(self.nodes)} MaxTime=INFINITE PriorityTier=2 PreemptMode=OFF "
+            f"PartitionName=urgent Nodes={','.join(NODES)} MaxTime=INFINITE PriorityTier=2 PreemptMode=OFF "
             "State=UP", ""]))
         daemon_env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.daemons = {"slurmctld": net.start("slurmctld", [tool("slurmctld"), "-D", "-i"], env=daemon_env)}
-        for name in self.nodes:
+        for name in NODES:
             self.daemons[f"slurmd.{name}"] = net.start(f"slurmd.{name}", [tool("slurmd"), "-D", "-N", name],
                                                        env=daemon_env)
-        wait_until("both slurmd idle", lambda: self._node_states() == dict.fromkeys(self.nodes, "idle"), 60, 0.5)
+        wait_until("both slurmd idle", lambda: self._node_states() == dict.fromkeys(NODES, "idle"), 60, 0.5)
 
     def env(self, **extra: str) -> dict:
         return {**os.environ, "SLURM_CONF": str(self.conf), **extra}
@@ -285,7 +293,8 @@ def install() -> int:
     policy = Path("/usr/sbin/policy-rc.d")
     made_policy = not policy.exists()
     if made_policy:
-        policy.write_text("#!/bin/sh\n# ds_packdpo's make cluster-test: no service starts while packages are set up\nexit 101\n")
+        policy.write_text("#!/bin/sh\n# make cluster-test (ds_packdpo): no service starts while packages are set up\n"
+                          "exit 101\n")
         policy.chmod(0o755)
     apt = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES.split()]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}

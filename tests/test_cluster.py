@@ -181,7 +181,7 @@ def test_slurm_warning_preemption_cancel_and_requeue(loopback, slurm, uninterrup
     submit = tmp_path / "submit"  # a folder laid out like the repository root, where the docs say to submit from
     submit.mkdir()
     (submit / "launch").symlink_to(REPO / "launch")
-    base_env = {**cpu_env(), "SLURM_CONF": str(slurm.conf), "GLOO_SOCKET_IFNAME": "lo"}
+    base_env = slurm.env(**cpu_env(), GLOO_SOCKET_IFNAME="lo")
 
     def sbatch(out: Path, wait_at: int, *options: str) -> str:
         return slurm.command("sbatch", "--parsable", *SLURM_SIZE, *options, "launch/slurm.sbatch",
@@ -232,8 +232,8 @@ def test_slurm_warning_preemption_cancel_and_requeue(loopback, slurm, uninterrup
     out_b = tmp_path / "preempted"
     job_b = sbatch(out_b, 3)
     waiting_at(out_b, 3, job_b)
-    urgent = slurm.command("sbatch", "--parsable", "--partition=urgent", "--nodes=2", f"--output={tmp_path}/urgent.out",
-                           "--wrap", "sleep 1", cwd=tmp_path).strip()
+    urgent = slurm.command("sbatch", "--parsable", "--partition=urgent", "--nodes=2",
+                           f"--output={tmp_path}/urgent.out", "--wrap", "sleep 1", cwd=tmp_path).strip()
     wait_until(f"job {job_b} requeued", lambda: slurm.job(job_b)["Restarts"] == "1", JOB_TIMEOUT_S, 0.5)
     text = stopped(job_b, 3, out_b)
     assert f"pre-empted: job {job_b} requeued; with --resume auto it continues from its last checkpoint" in text
