@@ -543,6 +543,34 @@ def test_the_end_of_a_run_meets_its_peers_before_the_group_goes(monkeypatch):
         process_group.close_process_group()
 
 
+def test_the_roll_call_names_who_did_not_answer(monkeypatch):
+    """lost_peers in rank 0 of 3 with a rendezvous store here: rank 2 answers, rank 1 does not and is named with what
+    it left at start-up; once every rank answered, no name; in rank 1 with the store's port closed (rank 0's process
+    gone), rank 0 is named."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ds_packdpo.run import process_group
+    from ds_packdpo.run.layout import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(process_group.dist, "get_world_size", lambda: 3)
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda: 0)
+    server.set(f"{process_group.ROLL_CALL}/who/1", "node2, pid 4242")
+    server.set(f"{process_group.ROLL_CALL}/here/2", "")
+    assert process_group.lost_peers() == "rank 1 (node2, pid 4242) did not answer within 2 s: it died or stalled"
+    server.set(f"{process_group.ROLL_CALL}/here/1", "")
+    assert process_group.lost_peers() == "another rank died or stalled"
+    del server
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda: 1)
+    assert process_group.lost_peers() == "rank 0 (on 127.0.0.1, whose rendezvous store is unreachable) died or stalled"
+
+
 def test_a_rank_process_ends_with_its_code_after_the_exit_handlers(tmp_path):
     """exit_rank skips the interpreter's finalization (where gloo's teardown aborted finished ranks), not the exit
     handlers (logging, monitors) nor what the streams still hold."""

@@ -107,7 +107,7 @@ def lost_peers() -> str:
 
     Every survivor answers a roll call in the rendezvous store and waits up to ROLL_CALL_S for
     the others; the ranks that did not answer are named with the host and pid each left there
-    as the group started ("rank 1 (node2, pid 4242) did not answer within 5 s: it died or
+    as the group started ("rank 1 (node2, pid 4242) did not answer within 2 s: it died or
     stalled").  A store that cannot be reached went with the process that served it: rank 0's.
     No roll call in a rank its launcher is stopping (a stop signal came: DeepSpeed's launcher
     sends SIGTERM to the others when one of its ranks died): the job is ending already.
