@@ -5,7 +5,7 @@
 #
 # From one node over passwordless ssh (deepspeed starts every node through pdsh):
 #   launch/multinode.sh --hostfile launch/hostfile --master_addr node1 -- --model /models/m --dataset prefs.jsonl
-# Without ssh (a scheduler starts this script once per node; see launch/slurm.sbatch), each with its node rank:
+# Without ssh (this script started on every node, by hand or by a job's script), each with its node rank:
 #   launch/multinode.sh --hostfile H --no_ssh --node_rank 1 --master_addr node1 --master_port 29500 -- [flags]
 #
 # Launcher options (each can also come from the environment variable in brackets):
