@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 from cluster import SSH_PORT, Loopback, Slurm, SshNodes, require_tools, state_folder, wait_until
+from fault_hooks import WAIT_FOR_STOP_ENV
 from launching import BIN, REPO, cpu_env, ranks_module, read_metrics, run
 from test_checkpoint import assert_same_steps
 
 from ds_packdpo import cli
 from ds_packdpo.run.checkpoint import LATEST
-from ds_packdpo.run.faults import WAIT_FOR_STOP_ENV
+from ds_packdpo.run.hooks import HOOKS_ENV
 from ds_packdpo.run.process_group import ROLL_CALL_S
 
 pytestmark = [pytest.mark.cluster, pytest.mark.multirank]
@@ -124,7 +125,8 @@ def test_pdsh_over_ssh_and_a_node_that_dies(loopback, ssh_nodes, uninterrupted, 
     out, log = tmp_path / "run", tmp_path / "killed.log"
 
     job = launch_multinode(loopback, ssh_nodes, workdir, log, "--export", "FROM_OPTION=two words",
-                           "--export", f"{WAIT_FOR_STOP_ENV}=4", "--", *train_flags(tmp_path, out),
+                           "--export", HOOKS_ENV, "--export", f"{WAIT_FOR_STOP_ENV}=4", "--",
+                           *train_flags(tmp_path, out),
                            PYTHONPATH=f"{probe}{os.pathsep}{cpu_env()['PYTHONPATH']}")
     # Both ranks wait as step 4 begins (the step-3 checkpoint complete): the second node's rank dies then.
     wait_until("both ranks at step 4", lambda: (out / "checkpoints" / LATEST).exists() or job.poll() is not None,
@@ -142,7 +144,7 @@ def test_pdsh_over_ssh_and_a_node_that_dies(loopback, ssh_nodes, uninterrupted, 
         env = ranks_view["env"]
         assert env["SSH_CONNECTION"].split()[2:] == [f"127.0.0.{rank + 1}", str(SSH_PORT)], env["SSH_CONNECTION"]
         assert env["FROM_DEEPSPEED_ENV"] == "read by deepspeed" and env["GLOO_SOCKET_IFNAME"] == "lo"
-        assert env["FROM_OPTION"] == "two words" and env[WAIT_FOR_STOP_ENV] == "4"
+        assert env["FROM_OPTION"] == "two words" and env[WAIT_FOR_STOP_ENV] == "4" and env[HOOKS_ENV] == "fault_hooks"
         assert Path(ranks_view["executable"]).parent == BIN  # DeepSpeed starts the launching node's interpreter
         assert ranks_view["ninja"] == str(BIN / "ninja")  # the venv's tools first on PATH
         assert env["TORCH_EXTENSIONS_DIR"] == cpu_env()["TORCH_EXTENSIONS_DIR"]  # its built extension, not ~/.cache

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds_packdpo.data.plan import PlanConfig, iter_plan, pack_stats, step_compositions, steps_per_epoch
+from ds_packdpo.data.plan import PlanConfig, RowLayout, iter_plan, pack_stats, step_compositions, steps_per_epoch
 from ds_packdpo.data.prompt_groups import PairGroups, pair_groups
 from ds_packdpo.model import prefix_attention, torch_varlen
 from ds_packdpo.model.build import ARCHITECTURES, build_model
@@ -128,7 +128,7 @@ def test_matrix_grouped_rows_equal_each_pair_alone(monkeypatch, arch):
     than the window; with sdpa_varlen (the CPU kernel) and torch_varlen (emulated; Gemma 2 refused there)."""
     use_torch_varlen_emulation(monkeypatch)
     for attn in ("sdpa_varlen", "torch_varlen"):
-        outcome = matrix_outcome(arch, attn, grouped=True)
+        outcome = matrix_outcome(arch, attn, layout=RowLayout.PROMPT_GROUPS)
         if outcome["verdict"] == "refused":
             assert (arch, attn) == ("gemma2", "torch_varlen"), outcome
             continue
@@ -169,8 +169,8 @@ def test_steps_take_whole_groups_whatever_the_layout():
     compositions = set()
     for world, budget, packing, sharing, grouping in ((1, 4000, True, True, True), (2, 700, True, True, False),
                                                       (2, 700, True, False, False), (3, 900, False, False, False)):
-        cfg = PlanConfig(max_tokens_per_row=budget, dp_size=world, seed=5, global_batch_pairs=16, packing=packing,
-                         prefix_sharing=sharing, prompt_groups=grouping)
+        cfg = PlanConfig(max_tokens_per_row=budget, dp_size=world, seed=5, global_batch_pairs=16,
+                         layout=RowLayout.of(packing, sharing, grouping))
         steps = [plan.pairs for plan in iter_plan(chosen, rejected, cfg, 2, prompt_lengths=prompt, groups=groups)]
         compositions.add(tuple(steps))
         assert steps_per_epoch(chosen, rejected, cfg, 0, groups) + steps_per_epoch(chosen, rejected, cfg, 1, groups) \
@@ -201,8 +201,8 @@ def test_rows_hold_whole_groups_split_under_the_budget(tight):
     pairs = grouped_token_pairs(30, seed=2)
     chosen, rejected, prompt, groups = plan_inputs(pairs)
     budget = int((chosen + rejected - prompt).max()) if tight else 4000  # tight: the largest pair just fits
-    cfg = PlanConfig(max_tokens_per_row=budget, dp_size=2, seed=0, global_batch_pairs=24, prefix_sharing=True,
-                     prompt_groups=True)
+    cfg = PlanConfig(max_tokens_per_row=budget, dp_size=2, seed=0, global_batch_pairs=24,
+                     layout=RowLayout.PROMPT_GROUPS)
     split = planned = 0
     for plan in iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt, groups=groups):
         rows_of_group: dict[int, set] = {}
@@ -226,8 +226,8 @@ def test_pack_stats_reports_tokens_saved_by_groups():
     chosen, rejected, prompt, groups = plan_inputs(pairs)
     figures = {}
     for grouping in (True, False):
-        cfg = PlanConfig(max_tokens_per_row=4000, dp_size=2, global_batch_pairs=32, prefix_sharing=True,
-                         prompt_groups=grouping)
+        cfg = PlanConfig(max_tokens_per_row=4000, dp_size=2, global_batch_pairs=32,
+                         layout=RowLayout.of(True, True, grouping))
         figures[grouping] = pack_stats(chosen, rejected, cfg, prompt_lengths=prompt, groups=groups)
     shared = int((chosen + rejected - prompt).sum())
     assert figures[False]["real_tokens"] == shared == figures[True]["prefix_shared_tokens"]

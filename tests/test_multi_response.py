@@ -255,7 +255,7 @@ def test_phase_one_plans_every_pair_of_the_demo_once(tmp_path, tokenizer_dir):
                     world_size=2)
     assert len(setup.prepared.chosen_lengths) == 693
     assert setup.prepared.summary["multi_response"]["pairs_made"] == 693
-    planned = [pair for step in run_plan(setup.prepared, setup.plan_cfg, 1)
+    planned = [pair for step in run_plan(setup.prepared, setup.spec.plan.config, 1)
                for rows in step.ranks for row in rows for pair in row.pairs]
     assert sorted(planned) == list(range(693))
 

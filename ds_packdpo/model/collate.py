@@ -1,4 +1,4 @@
-"""Turn one planned row of preference pairs into model inputs: packed, prefix-shared or padded.
+"""Turn one planned row of preference pairs into model inputs: one collate function per row layout.
 
 Packed (:func:`collate_packed`): all 2P sequences of the row concatenated into one
 ``[1, T]`` row with no padding.  ``position_ids`` restart at 0 for every sequence,
@@ -7,8 +7,11 @@ when called with ``attention_mask=None, use_cache=False``; ``cu_seqlens`` /
 ``max_seqlen`` serve varlen kernels.  Prefix-shared (:func:`collate_shared`): every pair
 once as ``[prompt | chosen | rejected]``, the prompt computed once for both completions;
 its attention (``model/prefix_attention.py``) follows the row's :class:`PrefixLayout`.
-Padded (:func:`collate_padded`): the usual TRL / OpenRLHF batch of 2P right-padded rows,
-the benchmark baseline and the reference of the parity tests.
+Prompt groups (:func:`collate_grouped`): the pairs of a row that share a prompt as one block
+``[prompt | r1 | ... | rk]``, every prompt and distinct response once.  Padded
+(:func:`collate_padded`): the usual TRL / OpenRLHF batch of 2P right-padded rows, the
+benchmark baseline and the reference of the parity tests.  :data:`COLLATE` maps each
+``data.plan.RowLayout`` to its function.
 
 All share one canonical sequence numbering -- sequence 2p is the chosen of local pair p,
 2p+1 its rejected -- and one label rule: ``labels[t]`` is the token position t predicts
@@ -28,6 +31,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from ..data.plan import RowLayout
 from ..errors import InputError
 
 IGNORE_INDEX = -100
@@ -338,17 +342,19 @@ def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
     )
 
 
-def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, packed: bool = True,
-                shared_prefix: bool = False, grouped: bool = False) -> ModelBatch:
+# the collate function of each row layout (a new layout: a row here and its function above)
+COLLATE = {RowLayout.PADDED: collate_padded, RowLayout.PACKED: collate_packed, RowLayout.PREFIX_SHARED: collate_shared,
+           RowLayout.PROMPT_GROUPS: collate_grouped}
+
+
+def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int,
+                layout: RowLayout = RowLayout.PACKED) -> ModelBatch:
     """The model inputs of one planned row: its pairs (positional indices) looked up in the tokenized columns
-    (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), packed (each prompt once with
-    ``shared_prefix``) or padded."""
+    (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), collated in ``layout``."""
     indices = list(pair_indices)
     pairs = []
     if indices:
         cols = columns[indices]
         pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
                  for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
-    collate = ((collate_grouped if grouped else collate_shared if shared_prefix else collate_packed) if packed
-               else collate_padded)
-    return collate(pairs, indices, pad_token_id)
+    return COLLATE[layout](pairs, indices, pad_token_id)

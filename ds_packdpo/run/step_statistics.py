@@ -25,20 +25,8 @@ import torch.distributed as dist
 
 from ..data.plan import StepPlan
 from ..model.collate import ModelBatch
-from ..model.coupled_losses import COUPLED_LOSSES, SORTED_LOSSES, VALUES_PER_PAIR, PairPartners, StepStatistic
+from ..model.coupled_losses import VALUES_PER_PAIR, PairPartners, StepStatistic
 from ..model.logps import SequenceLogps, scored_tokens
-from ..model.losses import LossConfig
-
-
-def coupled_losses(loss_cfg: LossConfig) -> tuple[str, ...]:
-    """The batch-coupled losses this run trains (none outside TRL's family path)."""
-    family = loss_cfg.family
-    return tuple(name for name in family.loss_types if name in COUPLED_LOSSES) if family is not None else ()
-
-
-def needs_policy_prepass(loss_cfg: LossConfig) -> bool:
-    """Whether each step runs the no-grad policy pre-pass (a sorted batch-coupled loss is trained)."""
-    return bool(set(coupled_losses(loss_cfg)) & set(SORTED_LOSSES))
 
 
 def chosen_token_counts(batch: ModelBatch) -> torch.Tensor:
@@ -98,16 +86,16 @@ class CoupledStep:
         self.run, self.batches, self.slots = run, batches, slot_index(plan)
         self.statistic: StepStatistic | None = None
         self._references: list[SequenceLogps | None] = [None] * len(batches)
-        names = coupled_losses(run.setup.loss_cfg)
-        if not names:
+        loss = run.setup.spec.loss
+        if not loss.batch_coupled:
             return
         policies = None
-        if needs_policy_prepass(run.setup.loss_cfg):  # the no-grad pre-pass: every row, dummy rows included (lock-step)
+        if loss.needs_policy_prepass:  # the no-grad pre-pass: every row, dummy rows included (lock-step)
             self._references = [run.reference_logps(batch) for batch in batches]
             with torch.no_grad():
                 policies = [run.forward_logps(run.policy, batch) for batch in batches]
         self.statistic = step_statistic(plan, batches, policies, self._references if policies is not None else None,
-                                        run.setup.layout, run.device)
+                                        run.setup.spec.layout, run.device)
 
     def reference_logps(self, i: int) -> SequenceLogps | None:
         """Row i's reference log-probs: the pre-pass's, else computed now."""
