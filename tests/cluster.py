@@ -32,7 +32,7 @@ import pytest
 
 PACKAGES = "openssh-server pdsh slurm-wlm munge iproute2"
 # The programs each part needs (Debian puts the daemons in /usr/sbin, often not on a user's PATH).
-TOOLS = ("unshare", "nsenter", "ip", "sshd", "ssh", "ssh-keygen", "pdsh", "munged", "slurmctld", "slurmd", "sbatch",
+TOOLS = ("unshare", "nsenter", "ip", "ss", "sshd", "ssh", "ssh-keygen", "pdsh", "munged", "slurmctld", "slurmd", "sbatch",
          "scontrol", "scancel", "squeue", "sinfo")
 # Set by `make cluster-test` as root: a missing tool fails the tests instead of skipping them.
 REQUIRED_ENV = "DS_PACKDPO_CLUSTER_REQUIRED"
@@ -92,6 +92,13 @@ class Loopback:
             stdout=subprocess.PIPE, start_new_session=True)
         assert self._holder.stdout.readline() == b"up\n", "the loopback namespace did not come up"
         self.namespace = os.readlink(f"/proc/{self._holder.pid}/ns/net")
+        self._daemons: list[subprocess.Popen] = []
+        self._at_close: list = []
+
+    def at_close(self, undo) -> None:
+        """``undo()`` runs in :meth:`close`, once the namespace's processes have ended (what a server changed outside
+        the namespace, undone)."""
+        self._at_close.append(undo)
 
     def command(self, cmd: list) -> list[str]:
         """``cmd`` run inside the namespace (nsenter execs it: the process started is ``cmd`` itself)."""
@@ -100,8 +107,10 @@ class Loopback:
     def start(self, name: str, cmd: list, env: dict | None = None) -> subprocess.Popen:
         """A daemon in the foreground inside the namespace, its output in ``state/NAME.log``."""
         with open(self.state / f"{name}.log", "ab") as log:
-            return subprocess.Popen(self.command(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+            daemon = subprocess.Popen(self.command(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self._daemons.append(daemon)
+        return daemon
 
     def log_tail(self, name: str, chars: int = 3000) -> str:
         """The end of a daemon's log (what :meth:`start` wrote)."""
@@ -122,13 +131,19 @@ class Loopback:
         return pids
 
     def close(self) -> None:
-        """SIGTERM to every process in the namespace, SIGKILL to those left after 5 s, then the namespace goes."""
+        """SIGTERM to every process in the namespace, SIGKILL to those left after 5 s (the daemons reaped), what
+        :meth:`at_close` registered, then the namespace goes."""
         for signum, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             for pid in self.processes():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
             with contextlib.suppress(AssertionError):
                 wait_until("the namespace's processes to end", lambda: not self.processes(), grace)
+        for daemon in self._daemons:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                daemon.wait(timeout=5)
+        for undo in reversed(self._at_close):
+            undo()
         self._holder.kill()
         self._holder.wait()
 
@@ -137,7 +152,7 @@ class SshNodes:
     """An OpenSSH server inside the namespace on :data:`SSH_PORT` of both node addresses, a host key and a client key
     made here, and an ``ssh`` on ``bin_dir`` that reads this cluster's client configuration (``-F``): the nodes'
     names, the key, the known host key.  That ``ssh`` first on PATH is what a user's ~/.ssh/config is to DeepSpeed's
-    runner and to pdsh, without touching ~/.ssh."""
+    runner and to pdsh, without touching ~/.ssh.  Closed with the namespace."""
 
     def __init__(self, net: Loopback, state: Path):
         self.net = net
@@ -167,10 +182,11 @@ class SshNodes:
         wrapper = self.bin_dir / "ssh"
         wrapper.write_text(f"#!/bin/sh\nexec {tool('ssh')} -F {self.dir / 'ssh_config'} \"$@\"\n")
         wrapper.chmod(0o755)
-        self._made_privsep = not Path("/run/sshd").exists()
-        if self._made_privsep:
+        self.made_privsep = not Path("/run/sshd").exists()
+        if self.made_privsep:
             Path("/run/sshd").mkdir(mode=0o755)
         self.server = None
+        net.at_close(self.close)
         try:
             self.server = net.start("sshd", [tool("sshd"), "-D", "-e", "-f", self.dir / "sshd_config"])
             wait_until("sshd to accept the client key",
@@ -185,10 +201,10 @@ class SshNodes:
 
     def close(self) -> None:
         """sshd stopped (its sessions go with the namespace), and /run/sshd removed if it was made here."""
-        if self.server is not None:
+        if self.server is not None and self.server.poll() is None:
             self.server.terminate()
             self.server.wait()
-        if self._made_privsep:
+        if self.made_privsep:
             with contextlib.suppress(OSError):
                 Path("/run/sshd").rmdir()
 
@@ -278,6 +294,19 @@ def state_folder():
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def loopback_namespace():
+    """The namespace (:class:`Loopback`) in its state folder; on the way out, failed or not, every process in it
+    ended and the folder removed.  Skips (or fails, see :func:`require_tools`) without the tools."""
+    require_tools()
+    with state_folder() as state:
+        net = Loopback(state)
+        try:
+            yield net
+        finally:
+            net.close()
 
 
 def install() -> int:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import SSH_PORT, Loopback, Slurm, SshNodes, require_tools, state_folder, wait_until
+from cluster import SSH_PORT, Loopback, Slurm, SshNodes, loopback_namespace, tool, wait_until
 from fault_hooks import WAIT_FOR_STOP_ENV
 from launching import BIN, REPO, cpu_env, ranks_module, read_metrics, run
 from test_checkpoint import assert_same_steps
@@ -48,22 +48,13 @@ def train_flags(tmp: Path, out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def loopback():
-    require_tools()
-    with state_folder() as state:
-        net = Loopback(state)
-        try:
-            yield net
-        finally:
-            net.close()  # every daemon, session, job step and rank in the namespace, also after a failure
+    with loopback_namespace() as net:
+        yield net  # then every daemon, session, job step and rank in the namespace ends, also after a failure
 
 
 @pytest.fixture(scope="module")
 def ssh_nodes(loopback):
-    nodes = SshNodes(loopback, loopback.state)
-    try:
-        yield nodes
-    finally:
-        nodes.close()
+    return SshNodes(loopback, loopback.state)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +72,44 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
 
 def tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else f"(no {path})"
+
+
+# ---------------------------------------------------------------- the cluster itself
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet waited for by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_servers_listen_on_the_loopback_only_and_end_when_a_test_fails():
+    """Every server of the cluster (sshd, slurmctld, both slurmd; munged on a unix socket) listens inside a namespace
+    whose only interface is the loopback; a test that fails while they run ends every process of the namespace and
+    removes the state folder (what the fixtures above rely on)."""
+    seen = {}
+    with pytest.raises(RuntimeError, match="a failing test"):
+        with loopback_namespace() as net:
+            nodes = SshNodes(net, net.state)
+            Slurm(net, net.state)
+            links = net.run([tool("ip"), "-o", "link", "show"]).stdout
+            assert [line.split(": ")[1] for line in links.splitlines()] == ["lo"], links
+            listening = net.run([tool("ss"), "-H", "-l", "-t", "-n", "-p"]).stdout  # state recv send local peer users
+            servers = {}
+            for line in listening.splitlines():
+                local, users = line.split()[3], line.split()[-1]
+                servers.setdefault(re.search(r'"([^"]+)"', users).group(1), set()).add(local.rsplit(":", 1)[0])
+            assert set(servers) == {"sshd", "slurmctld", "slurmd"}, listening
+            assert servers["sshd"] == {"127.0.0.1", "127.0.0.2"}, listening  # its ListenAddress lines
+            # Slurm's daemons bind every address of the namespace: there is only the loopback
+            assert all(address in ("0.0.0.0", "*", "[::]") or address.startswith("127.")
+                       for addresses in servers.values() for address in addresses), listening
+            seen.update(pids=net.processes(), state=net.state, made_privsep=nodes.made_privsep)
+            raise RuntimeError("a failing test")
+    assert len(seen["pids"]) >= 5  # sshd, munged, slurmctld, 2 slurmd
+    assert not [pid for pid in seen["pids"] if running(pid)]
+    assert not seen["state"].exists()
+    assert seen["made_privsep"] is False or not Path("/run/sshd").exists()  # sshd's folder, when made for it
 
 
 # ---------------------------------------------------------------- pdsh over ssh
