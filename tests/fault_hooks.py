@@ -6,7 +6,8 @@
     ``step`` (the default: as the step begins), ``forward`` (inside the policy's forward, in a middle layer),
     ``backward`` (inside the backward, as the gradient reaches that layer), ``save`` (the step's checkpoint: every
     rank's files written, no manifest yet), ``universal`` (rank 0 converting checkpoint STEP for --allow-new-layout:
-    the universal form written, not yet renamed into place).
+    the universal form written, not yet renamed into place), ``reference`` (precompute-ref: the results up to step
+    STEP kept on disk).
 ``DS_PACKDPO_FAULT_WAIT_FOR_STOP=STEP``  as optimizer step STEP begins every rank waits (up to 120 s) until a stop
     signal reached any rank (run/stop.py), so a test's SIGTERM lands at a known step however fast the steps run.
 ``DS_PACKDPO_FAULT_NAN_STEPS=S1,S2``  the loss of those optimizer steps is NaN on every rank.
@@ -120,6 +121,9 @@ class FaultHooks(StepHooks):
 
     def converted(self, step: int) -> None:
         kill_point(0, step, "universal")
+
+    def reference_kept(self, rank: int, step: int) -> None:
+        kill_point(rank, step, "reference")
 
 
 def step_hooks() -> StepHooks:

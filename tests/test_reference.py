@@ -7,11 +7,14 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from launching import SMALL_DATA, SMALL_RUN, ranks_module, ranks_script, read_metrics, run
+from launching import SMALL_DATA, SMALL_RUN, cpu_env, ranks_module, ranks_script, read_metrics, run
 
 from ds_packdpo.config import parse_train_args
+from ds_packdpo.errors import InputError
+from ds_packdpo.run.reference_parts import check_parts, kept_steps, parts_folder, read_shards, write_shard
 
 BUDGET = ["--max-tokens-per-row", "400"]
 
@@ -150,6 +153,29 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
         assert last.startswith("error: --ref-logps") and message in last, last
     assert not (tmp_path / "refused").exists()
 
+    # 4. killed half-way (rank 0, once the results of step 2 are kept) and rerun: the files of the uninterrupted run
+    resumed = tmp_path / "ref" / "resumed.jsonl"
+    settings = [*cache, *BUDGET, *[flag for flag in SMALL_DATA if flag != "--overwrite"]]
+    killed = run(ranks_module(2, "ds_packdpo.precompute_ref", "--out", str(resumed), *settings), check=False,
+                 env=cpu_env(DS_PACKDPO_FAULT_KILL="0:2:reference"))
+    assert killed.returncode != 0 and not resumed.exists()
+    manifest = json.loads((parts_folder(resumed) / "manifest.json").read_text())
+    assert manifest["steps"] == 4 and manifest["steps_per_shard"] == 1 and manifest["max_tokens_per_row"] == 400
+    assert sorted(p.name for p in parts_folder(resumed).iterdir()) == [
+        "manifest.json", "steps-0000001-0000001.npz", "steps-0000002-0000002.npz"]
+    from ds_packdpo.cli import main as cli_main
+
+    assert cli_main(["precompute-ref", "--out", str(resumed), *settings, "--max-tokens-per-row", "500"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"error: --out {resumed}: resumed.jsonl.parts holds work of an interrupted run under another "
+                     f"max_tokens_per_row (kept 400, this run 500); rerun with its settings to continue, or pass "
+                     f"--overwrite to start over"), last
+    rerun = run(ranks_module(2, "ds_packdpo.precompute_ref", "--out", str(resumed), *settings))
+    assert rerun.stdout.count(f"continuing after step 2 of 4") == 1, rerun.stdout
+    assert resumed.read_bytes() == out.read_bytes()
+    assert Path(f"{resumed}.meta.json").read_bytes() == Path(f"{out}.meta.json").read_bytes()
+    assert not parts_folder(resumed).exists()
+
 
 @pytest.mark.multirank
 def test_lean_gradients_reach_zero3_partitions(tmp_path):
@@ -175,3 +201,27 @@ def test_lean_gradients_reach_zero3_partitions(tmp_path):
             lean, plain = row["lean"], row["plain"]
             # a tied weight is also the input embedding: its own gathers (plain: 2 and 2) come on top of the head's
             assert lean["forward"] == 1 and lean["backward"] == plain["backward"] == (2 if model == "tied" else 1), row
+
+
+def test_kept_reference_work_is_continued_refused_or_started_over(tmp_path, capsys):
+    """run/reference_parts.py without a model: the steps kept are the unbroken run of shards from step 1; work under
+    other settings is refused without --overwrite and removed with it (said once); the shards read back exactly."""
+    out = tmp_path / "ref.jsonl"
+    settings = {"reference": {"model": "x" * 64}, "steps": 9, "steps_per_shard": 2, "max_tokens_per_row": 400}
+    assert kept_steps(out, settings) == 0 and capsys.readouterr().out == ""
+    columns = {"pair_id": np.array([3, 1]), "chosen_logps": np.array([-1 / 3, -1e5 / 7])}
+    write_shard(out, 1, 2, columns)
+    write_shard(out, 3, 4, {"pair_id": np.array([0]), "chosen_logps": np.array([-2.5])})
+    write_shard(out, 7, 8, {"pair_id": np.array([9]), "chosen_logps": np.array([-9.0])})  # past a gap: not used
+    assert kept_steps(out, settings) == 4
+    assert "continuing after step 4 of 9" in capsys.readouterr().out
+    kept = read_shards(out, ("pair_id", "chosen_logps"), 4)
+    assert kept["pair_id"].tolist() == [3, 1, 0] and kept["chosen_logps"].tolist() == [-1 / 3, -1e5 / 7, -2.5]
+    check_parts(out, lambda: settings, overwrite=False)  # the same settings: nothing to say
+    other = {**settings, "max_tokens_per_row": 500, "reference": {"model": "y" * 64}}
+    with pytest.raises(InputError, match=r"under another max_tokens_per_row \(kept 400, this run 500\), reference;"):
+        check_parts(out, lambda: other, overwrite=False)
+    check_parts(out, lambda: other, overwrite=True)
+    assert kept_steps(out, other) == 0
+    assert capsys.readouterr().out.count("starting over") == 1
+    assert sorted(p.name for p in parts_folder(out).iterdir()) == ["manifest.json"]

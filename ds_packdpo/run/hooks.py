@@ -1,7 +1,7 @@
 """Step hooks: the points of a run where a test may act (kill a rank, poison a loss, fill the disk); none in a run.
 
-The training loop, the checkpoint save and the universal conversion call the installed :class:`StepHooks` at
-their points; the base class does nothing at any of them, and it is all a run ever has unless the environment
+The training loop, the checkpoint save, the universal conversion and precompute-ref's kept results call the
+installed :class:`StepHooks` at their points; the base class does nothing at any of them, and it is all a run ever has unless the environment
 names a hook module: ``DS_PACKDPO_STEP_HOOKS=MODULE`` imports ``MODULE`` in every process of the run and installs
 what its ``step_hooks()`` returns.  The fault-tolerance tests name ``fault_hooks`` (tests/fault_hooks.py): the
 package itself holds no fault and imports no test helper.
@@ -41,6 +41,9 @@ class StepHooks:
 
     def converted(self, step: int) -> None:
         """The universal form of step ``step``'s checkpoint is written, not yet renamed into place."""
+
+    def reference_kept(self, rank: int, step: int) -> None:
+        """precompute-ref's results up to step ``step`` are on disk (run/reference_parts.py)."""
 
 
 _installed: list[StepHooks] = []
