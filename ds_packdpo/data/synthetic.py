@@ -17,6 +17,7 @@ sampled pairs do.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import numpy as np
@@ -83,7 +84,7 @@ def _prompt_texts(rng: np.random.Generator, topics: np.ndarray, prompt_counts: n
     return _sentences(prompt_words, prompt_counts)
 
 
-def synthetic_preference_rows(num_pairs: int = 2048, seed: int = 0) -> list[dict]:
+def synthetic_preference_rows(num_pairs: int = 2048, seed: int | list[int] = 0) -> list[dict]:
     """Conversational rows with an explicit prompt; deterministic for ``(num_pairs, seed)``."""
     rng = np.random.default_rng(seed)
     topics = rng.integers(0, NUM_TOPICS, size=num_pairs)
@@ -106,6 +107,19 @@ def synthetic_preference_rows(num_pairs: int = 2048, seed: int = 0) -> list[dict
         }
         for prompt, good, bad in zip(prompts, chosen, rejected)
     ]
+
+
+def write_synthetic_pairs(path, num_pairs: int, seed: int = 0) -> None:
+    """``num_pairs`` rows of :func:`synthetic_preference_rows` as JSONL, written block by block (a million pairs never
+    sit in memory as one list); deterministic for ``(num_pairs, seed)``: block ``b`` is drawn from seed
+    ``(seed, b)``."""
+    with open(path, "w") as handle:
+        for block, start in enumerate(range(0, num_pairs, _WRITE_BLOCK)):
+            rows = synthetic_preference_rows(min(_WRITE_BLOCK, num_pairs - start), seed=[seed, block])
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+_WRITE_BLOCK = 10_000
 
 
 def synthetic_multi_response_rows(num_prompts: int = 256, seed: int = 0, layout: str = "completions",
