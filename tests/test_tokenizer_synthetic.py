@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from ds_packdpo.data.prepare import DataConfig, prepare_pairs, tokenizer_fingerprint
 from ds_packdpo.errors import InputError
+from ds_packdpo.data import synthetic
 from ds_packdpo.data.synthetic import (
     BAD_WORDS,
     GOOD_WORDS,
@@ -114,3 +117,17 @@ def test_default_tokenizer_prepares_the_synthetic_rows(tmp_path):
     words = sum(len(r["chosen"][0]["content"].split()) for r in rows)
     tokens = sum(len(ids) for ids in prepared.dataset["chosen_ids"])
     assert tokens < 1.3 * words
+
+
+def test_written_synthetic_pairs_are_streamed_blocks_deterministic_by_seed(tmp_path, monkeypatch):
+    """scripts/synthetic_pairs.py's generator: N rows of the embedded kind, the same bytes for the same (N, seed),
+    other rows for another seed, written block by block (blocks of 4 here: 10 pairs are 3 blocks)."""
+    monkeypatch.setattr(synthetic, "_WRITE_BLOCK", 4)
+    paths = [tmp_path / name for name in ("a.jsonl", "b.jsonl", "c.jsonl")]
+    for path, seed in zip(paths, (0, 0, 1)):
+        synthetic.write_synthetic_pairs(path, 10, seed=seed)
+    rows = [json.loads(line) for line in paths[0].read_text().splitlines()]
+    assert len(rows) == 10 and all(set(row) == {"prompt", "chosen", "rejected"} for row in rows)
+    assert rows[:4] == synthetic.synthetic_preference_rows(4, seed=[0, 0])
+    assert rows[8:] == synthetic.synthetic_preference_rows(2, seed=[0, 2])
+    assert paths[0].read_bytes() == paths[1].read_bytes() != paths[2].read_bytes()
