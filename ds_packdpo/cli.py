@@ -158,7 +158,7 @@ def cmd_pack_stats(argv: list[str]) -> int:
                            prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
         if args.plan_out:
             write_plan_jsonl(run_plan(prepared, plan_cfg, plan.epochs), args.plan_out,
-                             pair_ids=prepared.dataset["pair_id"])
+                             pair_ids=prepared.pair_ids)
         print(json.dumps({"dataset": data.tokenization.dataset, "layout": layout.as_dict(), **stats,
                           "data": {k: prepared.summary[k] for k in ("rows", "kept", "dropped")}}, indent=2))
         return 0

@@ -108,7 +108,7 @@ def precompute(flags, out: str | None) -> dict | None:
     run = start(setup)
     spec = setup.spec
     layout = spec.layout
-    pair_ids = setup.prepared.dataset["pair_id"]
+    pair_ids = setup.prepared.pair_ids
     steps = epoch_steps(setup)
     every = steps_per_shard(steps)
     settings = reference_settings(setup, steps) if layout.rank == 0 else None

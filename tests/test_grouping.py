@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 import torch
 
 from ds_packdpo.data.plan import PlanConfig, RowLayout, iter_plan, pack_stats, step_compositions, steps_per_epoch
+from ds_packdpo.data import pair_keys
 from ds_packdpo.data.prompt_groups import PairGroups, pair_groups
 from ds_packdpo.model import prefix_attention, torch_varlen
 from ds_packdpo.model.build import ARCHITECTURES, build_model
@@ -157,6 +159,25 @@ def plan_inputs(pairs):
     groups = pair_groups([p["prompt_ids"] for p in pairs], [p["chosen_ids"] for p in pairs],
                          [p["rejected_ids"] for p in pairs])
     return chosen, rejected, prompt, groups
+
+
+def test_content_groups_from_the_arrow_table_equal_pair_groups(monkeypatch):
+    """data/pair_keys.py (keys from the table, a block of rows at a time) numbers groups and responses exactly as
+    pair_groups does on the token lists: shared responses, a response of another prompt, chosen equal to rejected,
+    blocks of 7 rows, a selection (an indices mapping, as held-out splits and drops make)."""
+    monkeypatch.setattr(pair_keys, "BLOCK_ROWS", 7)
+    pairs = grouped_token_pairs(30, seed=2)
+    same = pairs[0]["chosen_ids"]
+    pairs += [{"prompt_ids": [7, 8], "chosen_ids": same, "rejected_ids": same}, {**pairs[1], "prompt_ids": [7, 8]}]
+    table = datasets.Dataset.from_list(pairs)
+    longest = max(len(p[k]) for p in pairs for k in ("prompt_ids", "chosen_ids", "rejected_ids"))
+    for dataset in (table, table.select(list(range(len(pairs)))[::-3])):
+        rows = dataset[:]
+        want = pair_groups(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"])
+        got = pair_keys.groups_of_keys(pair_keys.content_keys(dataset, longest))
+        assert want.count < len(dataset)
+        for field in ("group", "chosen", "rejected"):
+            assert np.array_equal(getattr(got, field), getattr(want, field)), field
 
 
 def test_steps_take_whole_groups_whatever_the_layout():

@@ -80,7 +80,8 @@ def select_pairs(prepared: PreparedPairs, positions: np.ndarray) -> PreparedPair
     return dataclasses.replace(prepared, dataset=prepared.dataset.select(positions),
                                chosen_lengths=prepared.chosen_lengths[positions],
                                rejected_lengths=prepared.rejected_lengths[positions],
-                               prompt_lengths=prepared.prompt_lengths[positions])
+                               prompt_lengths=prepared.prompt_lengths[positions],
+                               content_keys=prepared.content_keys[positions])
 
 
 def split_by_content(prepared: PreparedPairs, fraction: float) -> tuple[PreparedPairs, PreparedPairs]:

@@ -41,6 +41,7 @@ from ..errors import InputError
 from ..files import atomic_write
 from .multi_response import (MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, columns_for, detect_layout,
                              pairs_from_groups)
+from .pair_keys import cached_content_keys
 from .rows import BadRow, completion_messages, field_value, kind_of, message_list, text_value
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt", *MULTI_RESPONSE_FORMATS)
@@ -109,6 +110,15 @@ class PreparedPairs:
     summary: dict
     fingerprint: str                # (content, tokenizer, settings); keys caches and precomputed reference log-probs
     prompt_lengths: np.ndarray      # int64 [N]: len(prompt_ids) (what prefix sharing computes once per pair)
+    content_keys: np.ndarray        # uint64 [N, 3, 2]: keys of the prompt, chosen and rejected ids (data/pair_keys.py)
+
+    @property
+    def pair_ids(self) -> np.ndarray:
+        """int64 [N]: each pair's id, read from the table once (a numpy array, not a list of a million ints)."""
+        if "_pair_ids" not in self.__dict__:
+            column = self.dataset.select_columns(["pair_id"]).with_format("numpy")[:]["pair_id"]
+            self.__dict__["_pair_ids"] = column.astype(np.int64)
+        return self.__dict__["_pair_ids"]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -647,7 +657,10 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     if groups is not None:
         summary["multi_response"] = groups
     warn_if_mostly_truncated(cfg, summary)
-    return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint, lengths["prompt"])
+    longest = max(int(values.max()) for values in lengths.values())
+    keys = cached_content_keys(encoded, longest, cfg.cache_path / f"pairs-{fingerprint}.keys.npy")
+    return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint, lengths["prompt"],
+                         keys if kept.size == len(encoded) else keys[kept])
 
 
 def warn_if_mostly_truncated(cfg: DataConfig, summary: dict) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 from ..errors import InputError
 from .plan import PlanConfig, StepPlan, iter_plan, pair_tokens, steps_per_epoch, validate_lengths, warn_if_ranks_idle
 from .prepare import PreparedPairs
-from .prompt_groups import PairGroups, pair_groups
+from .pair_keys import groups_of_keys
+from .prompt_groups import PairGroups
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,7 @@ def prompt_groups_of(prepared: PreparedPairs) -> PairGroups:
     """The pairs' prompt groups (same prompt token ids), computed once per PreparedPairs object."""
     groups = prepared.__dict__.get("_prompt_groups")
     if groups is None:
-        columns = prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])[:]
-        groups = pair_groups(columns["prompt_ids"], columns["chosen_ids"], columns["rejected_ids"])
+        groups = groups_of_keys(prepared.content_keys)
         prepared.__dict__["_prompt_groups"] = groups
     return groups
 
@@ -67,7 +67,7 @@ def checked_plan_config(plan: PlanSpec, sp_size: int, prepared: PreparedPairs) -
     """``plan.config`` once every pair is known to fit its row budget (InputError naming the pair); warns when a step
     has fewer pairs than data-parallel ranks."""
     plan_cfg = plan.config
-    pair_ids = prepared.dataset["pair_id"]
+    pair_ids = prepared.pair_ids
     if sp_size > 1:
         check_pairs_fit_group(prepared.chosen_lengths, prepared.rejected_lengths, plan.row_budget, sp_size,
                               pair_ids, prepared.prompt_lengths, plan_cfg.layout.shares_prefixes)
@@ -91,7 +91,7 @@ def held_out_plan(plan_cfg: PlanConfig, held_out: PreparedPairs) -> StepPlan:
     near-equal cost, the same number on every rank.  One step, so the rows are as few and as full as they can be."""
     cfg = dataclasses.replace(plan_cfg, global_batch_pairs=len(held_out.chosen_lengths), tokens_per_step=None,
                               drop_last=False)
-    validate_lengths(held_out.chosen_lengths, held_out.rejected_lengths, cfg, pair_ids=held_out.dataset["pair_id"],
+    validate_lengths(held_out.chosen_lengths, held_out.rejected_lengths, cfg, pair_ids=held_out.pair_ids,
                      prompt_lengths=held_out.prompt_lengths)
     return next(run_plan(held_out, cfg, epochs=1))
 

@@ -49,7 +49,7 @@ def held_out_set(setup, pairs: PreparedPairs) -> HeldOut:
     reference = None
     if setup.precomputed is not None:
         reference = PrecomputedReference.load(setup.spec.reference.logps_file, reference_fingerprint(setup),
-                                              pairs.dataset["pair_id"])
+                                              pairs.pair_ids)
     return HeldOut(pairs, plan, reference)
 
 

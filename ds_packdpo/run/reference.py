@@ -275,4 +275,4 @@ def load_precomputed_reference(setup) -> PrecomputedReference | None:
     path = setup.spec.reference.logps_file
     if path is None:
         return None
-    return PrecomputedReference.load(path, reference_fingerprint(setup), setup.prepared.dataset["pair_id"])
+    return PrecomputedReference.load(path, reference_fingerprint(setup), setup.prepared.pair_ids)
