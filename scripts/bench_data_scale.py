@@ -1,6 +1,6 @@
 """Host memory and time of the data path at scale: prepare, a warm dry run, and the ranks of a real run, 10k vs 1M.
 
-Usage: ``python scripts/bench_data_scale.py --work DIR [--pairs 1000000] [--small-pairs 10000]``.  Writes
+Usage: ``python scripts/bench_data_scale.py --work DIR [--pairs 1000000] [--small-pairs 10000] [--keep-cache]``.  Writes
 ``DIR/pairs-N.jsonl`` (scripts/synthetic_pairs.py's generator, seed 0) and the data's tokenizer once, then measures,
 each in its own commands:
 
@@ -91,7 +91,9 @@ def measured(cmd: list[str]) -> dict:
         role = by_role.setdefault(seen["role"], {"peak_rss_mib": 0, "peak_anon_mib": 0})
         role["peak_rss_mib"] = max(role["peak_rss_mib"], seen["VmHWM"])
         role["peak_anon_mib"] = max(role["peak_anon_mib"], seen["RssAnon"])
-    return {"command": " ".join(map(str, cmd)), "wall_s": round(wall, 1), "processes": dict(sorted(by_role.items()))}
+    result = {"command": " ".join(map(str, cmd)), "wall_s": round(wall, 1), "processes": dict(sorted(by_role.items()))}
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    return result
 
 
 def main() -> int:
@@ -99,6 +101,8 @@ def main() -> int:
     parser.add_argument("--work", required=True, type=Path)
     parser.add_argument("--pairs", type=int, default=1_000_000)
     parser.add_argument("--small-pairs", type=int, default=10_000)
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="measure prepare with the tokenized cache DIR/cache already holds (warm), not cold")
     args = parser.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -117,9 +121,10 @@ def main() -> int:
     data = ["--tokenizer", str(tokenizer), "--cache-dir", str(cache), "--no-progress"]
     results = {"pairs": args.pairs, "small_pairs": args.small_pairs, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                           time.gmtime())}
-    for path in cache.glob("*"):  # the large file's prepare starts cold
+    for path in [] if args.keep_cache else cache.glob("*"):  # the large file's prepare starts cold
         if path.is_file():
             path.unlink()
+    results["prepare_cache"] = "warm" if args.keep_cache else "cold"
     results["prepare"] = measured([cli, "prepare", "--dataset", str(files[args.pairs]), *data,
                                    "--out", str(work / "prepared.jsonl"), "--overwrite"])
     run = ["--model-config", "tiny", *data, "--global-batch-pairs", "16", "--max-steps", "2", "--dtype", "fp32"]
