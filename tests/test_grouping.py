@@ -8,8 +8,10 @@ eager attention (fp32), for every architecture of the matrix, on sequences longe
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,7 @@ from ds_packdpo.data.prompt_groups import PairGroups, pair_groups
 from ds_packdpo.model import prefix_attention, torch_varlen
 from ds_packdpo.model.build import ARCHITECTURES, build_model
 from ds_packdpo.model.collate import (PrefixLayout, PromptGroup, collate_groups, collate_grouped, collate_shared,
-                                      group_pairs)
+                                      collate_spread_row, group_pairs)
 from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.model.logps import forward_logps
 from ds_packdpo.model.matrix import matrix_outcome
@@ -193,32 +195,92 @@ def test_steps_take_whole_groups_whatever_the_layout():
         [s.tolist() for s in step_compositions(chosen, rejected, cfg, 0)]
 
 
-@pytest.mark.parametrize("tight", [True, False])
-def test_rows_hold_whole_groups_split_under_the_budget(tight):
-    """With prompt groups a group's pairs share one row unless they exceed the budget; then sub-groups of whole
-    pairs, each within it; the row's planned tokens bound what the grouped row computes (equal when no group is
-    split)."""
+def columns_of(pairs):
+    """The tokenized columns a run reads (``datasets.Dataset``), for the collate of planned rows."""
+    return datasets.Dataset.from_dict({key: [p[key] for p in pairs] for key in ("prompt_ids", "chosen_ids",
+                                                                                 "rejected_ids")})
+
+
+@pytest.mark.parametrize("world, budget", [(1, 4000), (3, 4000), (3, 300), (8, 2000)])
+def test_responses_spread_over_ranks_each_once_with_both_sides_of_a_pair_in_one_slot(world, budget):
+    """With prompt groups the step's distinct responses are the unit: each computed by exactly one row, a pair's two
+    in one row slot (row i of the ranks, so one exchange after the slot gives every rank both), every rank the same
+    number of rows within the budget, and a row's planned tokens what its collated row computes: each prompt once
+    per row holding one of its responses.  The prompt copies are what the rows compute beyond one prompt per group;
+    a group lands on several ranks where balance needs it; the steps hold the same pairs as without groups."""
     pairs = grouped_token_pairs(30, seed=2)
     chosen, rejected, prompt, groups = plan_inputs(pairs)
-    budget = int((chosen + rejected - prompt).max()) if tight else 4000  # tight: the largest pair just fits
-    cfg = PlanConfig(max_tokens_per_row=budget, dp_size=2, seed=0, global_batch_pairs=24, prefix_sharing=True,
+    columns = columns_of(pairs)
+    cfg = PlanConfig(max_tokens_per_row=budget, dp_size=world, seed=0, global_batch_pairs=24, prefix_sharing=True,
                      prompt_groups=True)
-    split = planned = 0
-    for plan in iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt, groups=groups):
-        rows_of_group: dict[int, set] = {}
-        for rank, rows in enumerate(plan.ranks):
-            for index, row in enumerate(rows):
-                assert row.tokens <= budget
-                if not row.pairs:
-                    continue
-                planned += len(row.pairs)
-                batch = collate_grouped([pairs[i] for i in row.pairs], list(row.pairs), 0)
-                assert batch.computed_tokens <= row.tokens
-                for g in groups.group[list(row.pairs)].tolist():
-                    rows_of_group.setdefault(g, set()).add((rank, index))
-        split += sum(len(rows) > 1 for rows in rows_of_group.values())
-    assert planned == len(pairs)
-    assert (split > 0) == tight
+    plans = list(iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt, groups=groups))
+    ungrouped = list(iter_plan(chosen, rejected, replace(cfg, prompt_groups=False), 1, prompt_lengths=prompt,
+                               groups=groups))
+    assert [p.pairs for p in plans] == [p.pairs for p in ungrouped]
+    spread = 0
+    for plan in plans:
+        responses = plan.responses
+        assert responses is not None and len({len(rows) for rows in plan.ranks}) == 1
+        flat = [row for rows in plan.ranks for row in rows]
+        assert sorted(m for row in flat for m in row.responses) == list(range(responses.count))
+        sides = plan.side_rows()
+        assert (sides >= 0).all()
+        assert (sides[:, 0] % plan.rows_per_rank == sides[:, 1] % plan.rows_per_rank).all()  # one slot
+        data_ids = np.stack([groups.chosen[list(plan.pairs)], groups.rejected[list(plan.pairs)]], 1)
+        source = np.where(responses.side == 0, groups.chosen[responses.source], groups.rejected[responses.source])
+        assert (source[responses.pair_sides] == data_ids).all()  # each pair's sides are its own responses
+        prompts_once = 0
+        for g in np.unique(groups.group[list(plan.pairs)]):
+            prompts_once += int(prompt[np.flatnonzero(groups.group == g)[0]])
+        computed = 0
+        for index, row in enumerate(flat):
+            assert row.tokens <= budget
+            batch = collate_spread_row(columns, responses, row.responses, 0)
+            assert batch.computed_tokens == max(row.tokens, 1) == row.computed_tokens or not row.responses
+            computed += row.tokens
+            touching = np.flatnonzero((sides == index).any(axis=1))
+            assert sorted(row.pairs) == sorted(np.asarray(plan.pairs)[touching].tolist())
+        assert plan.prompt_copy_tokens == computed - int(responses.length.sum()) - prompts_once
+        rank_of = sides // plan.rows_per_rank
+        spread += int((rank_of[:, 0] != rank_of[:, 1]).sum())
+    assert (spread > 0) == (world > 1)
+
+
+def test_spread_plans_resume_and_repeat_exactly():
+    """A step's layout is a function of its pairs: planning from (epoch, step) gives the tail of the whole plan, and
+    planning again gives the same rows (invariant 4 with prompt groups spread over ranks)."""
+    pairs = grouped_token_pairs(40, seed=5)
+    chosen, rejected, prompt, groups = plan_inputs(pairs)
+    cfg = PlanConfig(max_tokens_per_row=900, dp_size=4, seed=3, global_batch_pairs=20, prefix_sharing=True,
+                     prompt_groups=True)
+    whole = list(iter_plan(chosen, rejected, cfg, 2, prompt_lengths=prompt, groups=groups))
+    cut = len(whole) // 2 + 1
+    tail = list(iter_plan(chosen, rejected, cfg, 2, start_epoch=whole[cut].epoch, start_step=whole[cut].step,
+                          prompt_lengths=prompt, groups=groups))
+    assert tail == whole[cut:] and whole == list(iter_plan(chosen, rejected, cfg, 2, prompt_lengths=prompt,
+                                                           groups=groups))
+    assert all((a.responses.pair_sides == b.responses.pair_sides).all() for a, b in zip(tail, whole[cut:]))
+
+
+def test_spreading_balances_the_ranks_where_whole_groups_cannot():
+    """8 ranks, steps of 4 groups of 8 responses (every pair of them: 28 pairs a group, 112 a step): whole groups
+    would keep at least half the ranks idle; responses spread fill every rank to within a few per cent of the step's
+    mean, for a few per cent of prompt copies (prompts ~60 tokens, responses ~200; every rank needs one prompt at
+    least, 4 copies a step, 3.4 % of the tokens)."""
+    rng = np.random.default_rng(11)
+    pairs = []
+    for _ in range(24):
+        prompt = rng.integers(3, 200, int(rng.integers(40, 80))).tolist()
+        responses = [rng.integers(3, 200, int(rng.integers(120, 280))).tolist() for _ in range(8)]
+        pairs += [{"prompt_ids": prompt, "chosen_ids": a, "rejected_ids": b}
+                  for i, a in enumerate(responses) for b in responses[i + 1:]]
+    chosen, rejected, prompt, groups = plan_inputs(pairs)
+    cfg = PlanConfig(max_tokens_per_row=8000, dp_size=8, seed=0, global_batch_pairs=112, prefix_sharing=True,
+                     prompt_groups=True)
+    stats = pack_stats(chosen, rejected, cfg, prompt_lengths=prompt, groups=groups)
+    assert stats["steps"] == 6 and stats["groups"] == 24  # 4 groups a step: whole groups fill 4 ranks of 8
+    assert stats["lockstep_utilization"] > 0.95 and stats["rank_balance_min"] > 0.9
+    assert 0.034 * stats["real_tokens"] < stats["prompt_copy_tokens"] < 0.08 * stats["real_tokens"]
 
 
 def test_pack_stats_reports_tokens_saved_by_groups():
@@ -294,3 +356,51 @@ def test_precomputed_reference_rows_meet_grouped_pairs():
     looked_up = PrecomputedReference(table.detach()).sequence_logps(row)
     assert torch.allclose(grouped.logps.detach(), looked_up.logps, rtol=1e-5, atol=1e-5)
     assert torch.equal(grouped.tokens, looked_up.tokens)
+
+
+def test_exchanged_sums_give_every_rank_the_one_rank_loss_and_its_share_of_the_gradient(monkeypatch):
+    """Responses of one group on different ranks (3 ranks, one process): each rank's row is run alone, the sides
+    exchanged (run/response_exchange.py, the all-reduce summed across the ranks by hand), and every rank's loss of
+    the slot's pairs equals the one-rank grouped row's, pair by pair; the ranks' gradients, summed as DeepSpeed sums
+    them, equal its gradient (fp32, 1e-5 relative).  The precomputed reference meets the spread pairs by pair index."""
+    from ds_packdpo.model.losses import LossConfig, pair_losses
+    from ds_packdpo.run import response_exchange as exchange
+
+    pairs = grouped_token_pairs(2, seed=8)  # 2 groups for 3 ranks: one is split
+    chosen, rejected, prompt, groups = plan_inputs(pairs)
+    cfg = PlanConfig(max_tokens_per_row=4000, dp_size=3, seed=0, global_batch_pairs=len(pairs), prefix_sharing=True,
+                     prompt_groups=True)
+    plan = next(iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt, groups=groups))
+    sides = plan.side_rows()
+    assert (sides[:, 0] // plan.rows_per_rank != sides[:, 1] // plan.rows_per_rank).any()  # pairs across ranks
+    model = build_model(None, "tiny", 256, torch.float32, "sdpa_varlen", seed=0)
+    columns, loss_cfg = columns_of(pairs), LossConfig(beta=0.1)
+    alone = forward_logps(model, collate_shared(pairs, list(range(len(pairs))), 0), "sdpa_varlen")
+    reference = PrecomputedReference(torch.stack([alone.chosen_logps, alone.rejected_logps, alone.chosen_tokens,
+                                                  alone.rejected_tokens], 1).detach() - 1.0)
+
+    whole = collate_grouped([pairs[i] for i in plan.pairs], list(plan.pairs), 0)  # the step in one grouped row
+    want_losses, _ = pair_losses(forward_logps(model, whole, "sdpa_varlen"), reference.sequence_logps(whole), loss_cfg)
+    want = torch.autograd.grad(want_losses.sum(), list(model.parameters()))
+
+    written = []
+    monkeypatch.setattr(exchange.dist, "all_reduce", lambda values: written.append(values.clone()))
+    ranks = []
+    for rows in plan.ranks:
+        batches = [collate_spread_row(columns, plan.responses, row.responses, 0) for row in rows]
+        policies = [forward_logps(model, batch, "sdpa_varlen") for batch in batches]
+        exchange.exchange_sides(plan, [(b, [p]) for b, p in zip(batches, policies)], True, "cpu")
+        ranks.append((batches, policies))
+    total = torch.stack(written).sum(0)
+    monkeypatch.setattr(exchange.dist, "all_reduce", lambda values: values.copy_(total))
+    summed = [torch.zeros_like(p) for p in model.parameters()]
+    everything = torch.arange(plan.num_pairs)
+    for batches, policies in ranks:
+        (every,) = exchange.exchange_sides(plan, [(b, [p]) for b, p in zip(batches, policies)], True, "cpu")
+        mine = exchange.pairs_at(exchange.local_view(every, list(zip(batches, policies))), everything)
+        losses, _ = pair_losses(mine, reference.pair_logps(plan.pairs, "cpu"), loss_cfg)
+        assert torch.allclose(losses, want_losses, rtol=1e-5, atol=1e-6)  # every rank: every pair's loss
+        grads = torch.autograd.grad(losses.sum(), list(model.parameters()), allow_unused=True)
+        summed = [s + (g if g is not None else 0) for s, g in zip(summed, grads)]
+    scale = max(float(w.abs().max()) for w in want)
+    assert max(float((s - w).abs().max()) for s, w in zip(summed, want)) <= 1e-5 * scale

@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from ..data.response_spread import row_sides
 from ..errors import InputError
 
 IGNORE_INDEX = -100
@@ -98,8 +99,13 @@ class ModelBatch:
     prompt_tokens_shared: int = 0
     # Grouped rows only: pair p's (chosen, rejected) sequences when they are not the canonical (2p, 2p + 1), and the
     # number of sequences (responses) the row computes.
-    pair_sequences: torch.Tensor | None = None  # [P, 2] long
+    pair_sequences: torch.Tensor | None = None  # [P, 2] long; a row of spread responses: [K] its pair sides
     sequences: int = 0
+    # Rows of responses spread over ranks (collate_responses) only: the position of each pair side it computes in the
+    # step's side vector
+    # (its sums are exchanged there, run/response_exchange.py), and each such pair's shorter completion (LD-DPO).
+    side_positions: torch.Tensor | None = None  # [K] long
+    side_shared: torch.Tensor | None = None  # [K] long
     # Every row: (position id of the first completion token, completion length) of each sequence (response), for
     # per-token weights that depend on a token's place in its completion (model/token_weights.py).
     completion_spans: torch.Tensor | None = None  # [num_sequences, 2] long
@@ -213,28 +219,49 @@ def collate_packed(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
     )
 
 
-def collate_groups(groups: Sequence[PromptGroup], pad_token_id: int,
-                   pair_order: Sequence[int] | None = None) -> ModelBatch:
-    """One padding-free row with every prompt group once: ``[prompt | r1 | ... | rk]`` block by block (see
-    :class:`PrefixLayout`), response j of a group its sequence ``first + j``.
+@dataclass
+class _GroupedRow:
+    """The flat row of prompt groups ``[prompt | r1 | ... | rk]`` block by block, response j of a block its sequence
+    ``first[block] + j``."""
 
-    Positions: the prompt 0..P-1, every response P..P+Rj-1, so each token sits where it would in its own sequence.
+    ids: torch.Tensor        # [T]
+    positions: torch.Tensor  # [T]
+    seq_index: torch.Tensor  # [T]
+    labels: torch.Tensor     # [T]
+    fork_labels: torch.Tensor  # [forks, T]
+    blocks: tuple[tuple[int, ...], ...]
+    first: list[int]         # first sequence of each block
+    sequences: int
+
+    def batch(self, **pairs) -> ModelBatch:
+        """The ModelBatch of this row with its pairs' fields (``num_pairs``, ``pair_indices``, ``real_tokens``, ...)."""
+        lengths = torch.tensor([sum(b) for b in self.blocks], dtype=torch.int32)
+        cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+        cu_seqlens[1:] = torch.cumsum(lengths, 0)
+        return ModelBatch(
+            input_ids=self.ids[None], position_ids=self.positions[None], attention_mask=None,
+            labels=self.labels[None], seq_index=self.seq_index[None],
+            cu_seqlens=cu_seqlens,  # the group blocks
+            max_seqlen=int(lengths.max()), computed_tokens=self.ids.numel(), fork_labels=self.fork_labels,
+            prefix_layout=PrefixLayout(self.blocks),
+            completion_spans=torch.tensor([(block[0], size) for block in self.blocks for size in block[1:]],
+                                          dtype=torch.long).reshape(-1, 2),
+            **pairs)
+
+
+def _grouped_row(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], names: Sequence) -> _GroupedRow:
+    """Positions: the prompt 0..P-1, every response P..P+Rj-1, so each token sits where it would in its own sequence.
     The prompt's last position predicts the first token of every response: response 1's in ``labels``, response
-    j's in row j - 2 of ``fork_labels`` (scored for sequence ``seq_index + j - 1``).  The pairs' log-probs are
-    looked up from the responses' (``pair_sequences``), in ``pair_order`` (the groups' order by default).  A
-    response may be empty; the prompt may not.
-    """
-    pair_indices = list(pair_order) if pair_order is not None else [i for group in groups for i in group.pair_indices]
-    if not pair_indices:
-        return _dummy(pad_token_id, packed=True)
-    forks = max(1, max(len(group.responses) for group in groups) - 1)
-    ids, positions, seq_index, labels, blocks, pair_sequences = [], [], [], [], [], {}
+    j's in row j - 2 of ``fork_labels`` (scored for sequence ``seq_index + j - 1``).  A response may be empty; the
+    prompt may not (``names[g]`` names a pair of group g in that error)."""
+    forks = max(1, max(len(responses) for _, responses in groups) - 1)
+    ids, positions, seq_index, labels, blocks, first_of = [], [], [], [], [], []
     fork_at: list[tuple[int, int, int]] = []  # (fork row, flat position, token)
-    start = first = real = 0
-    for group in groups:
-        prompt = np.asarray(group.prompt_ids, dtype=np.int64)
-        _check_prompt(prompt, group.pair_indices[0])
-        responses = [np.asarray(r, dtype=np.int64) for r in group.responses]
+    start = first = 0
+    for (prompt_ids, response_ids), name in zip(groups, names):
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        _check_prompt(prompt, name)
+        responses = [np.asarray(r, dtype=np.int64) for r in response_ids]
         size = prompt.size
         ids.append(prompt)
         positions.append(np.arange(size))
@@ -250,41 +277,59 @@ def collate_groups(groups: Sequence[PromptGroup], pad_token_id: int,
             elif response.size:
                 fork_at.append((j - 1, start + size - 1, int(response[0])))
         labels.insert(len(labels) - len(responses), prompt_labels)
-        for (chosen, rejected), index in zip(group.pairs, group.pair_indices):
-            pair_sequences[index] = (first + chosen, first + rejected)
-            real += 2 * size + len(group.responses[chosen]) + len(group.responses[rejected])
         blocks.append((size, *(r.size for r in responses)))
+        first_of.append(first)
         start += sum(blocks[-1])
         first += len(responses)
     flat = torch.from_numpy(np.concatenate(ids))
     fork_labels = torch.full((forks, flat.numel()), IGNORE_INDEX, dtype=torch.long)
     for row, position, token in fork_at:
         fork_labels[row, position] = token
-    lengths = torch.tensor([sum(b) for b in blocks], dtype=torch.int32)
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    return _GroupedRow(flat, torch.from_numpy(np.concatenate(positions)), torch.from_numpy(np.concatenate(seq_index)),
+                       torch.from_numpy(np.concatenate(labels)), fork_labels, tuple(blocks), first_of, first)
+
+
+def collate_groups(groups: Sequence[PromptGroup], pad_token_id: int,
+                   pair_order: Sequence[int] | None = None) -> ModelBatch:
+    """One padding-free row with every prompt group once: ``[prompt | r1 | ... | rk]`` block by block (see
+    :class:`PrefixLayout` and :func:`_grouped_row`).  The pairs' log-probs are looked up from the responses'
+    (``pair_sequences``), in ``pair_order`` (the groups' order by default).
+    """
+    pair_indices = list(pair_order) if pair_order is not None else [i for group in groups for i in group.pair_indices]
+    if not pair_indices:
+        return _dummy(pad_token_id, packed=True)
+    row = _grouped_row([(group.prompt_ids, group.responses) for group in groups],
+                       [group.pair_indices[0] for group in groups])
+    pair_sequences, real = {}, 0
+    for group, first in zip(groups, row.first):
+        size = len(group.prompt_ids)
+        for (chosen, rejected), index in zip(group.pairs, group.pair_indices):
+            pair_sequences[index] = (first + chosen, first + rejected)
+            real += 2 * size + len(group.responses[chosen]) + len(group.responses[rejected])
     pairs = torch.tensor([pair_sequences[index] for index in pair_indices], dtype=torch.long)
     canonical = torch.equal(pairs.reshape(-1), torch.arange(2 * len(pair_indices)))
-    return ModelBatch(
-        input_ids=flat[None],
-        position_ids=torch.from_numpy(np.concatenate(positions))[None],
-        attention_mask=None,
-        labels=torch.from_numpy(np.concatenate(labels))[None],
-        seq_index=torch.from_numpy(np.concatenate(seq_index))[None],
-        cu_seqlens=cu_seqlens,  # the group blocks
-        max_seqlen=int(lengths.max()),
-        num_pairs=len(pair_indices),
-        pair_indices=torch.as_tensor(pair_indices, dtype=torch.long),
-        real_tokens=real,
-        computed_tokens=flat.numel(),
-        fork_labels=fork_labels,
-        prefix_layout=PrefixLayout(tuple(blocks)),
-        prompt_tokens_shared=real - flat.numel(),
-        pair_sequences=None if canonical else pairs,
-        sequences=0 if canonical else first,
-        completion_spans=torch.tensor([(block[0], size) for block in blocks for size in block[1:]],
-                                      dtype=torch.long).reshape(-1, 2),
-    )
+    return row.batch(num_pairs=len(pair_indices), pair_indices=torch.as_tensor(pair_indices, dtype=torch.long),
+                     real_tokens=real, prompt_tokens_shared=real - row.ids.numel(),
+                     pair_sequences=None if canonical else pairs, sequences=0 if canonical else row.sequences)
+
+
+def collate_responses(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], sides: Sequence[Sequence[int]],
+                      side_positions: Sequence[int], side_shared: Sequence[int], pad_token_id: int,
+                      names: Sequence) -> ModelBatch:
+    """A row of responses spread over ranks (``data/response_spread.py``): ``groups[g] = (prompt ids, its responses
+    here)``, laid out as :func:`collate_groups` does; no pair need be whole here.  ``sides[g][j]`` lists the pair
+    sides response j of group g is; ``side_positions`` (flat, in that order) are their positions in the step's side
+    vector (2 x the pair's place in the step, + 1 for a rejected) and ``side_shared`` each one's pair's shorter
+    completion (LD-DPO).  The forward's sums come out per side, in that order (``pair_sequences`` 1-D)."""
+    if not groups:
+        return _dummy(pad_token_id, packed=True)
+    row = _grouped_row(groups, names)
+    sequences = [row.first[g] + j for g, per_group in enumerate(sides) for j, positions in enumerate(per_group)
+                 for _ in positions]
+    return row.batch(num_pairs=0, pair_indices=torch.zeros(0, dtype=torch.long), real_tokens=0,
+                     pair_sequences=torch.tensor(sequences, dtype=torch.long), sequences=row.sequences,
+                     side_positions=torch.as_tensor(side_positions, dtype=torch.long),
+                     side_shared=torch.as_tensor(side_shared, dtype=torch.long))
 
 
 def collate_shared(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int],
@@ -336,6 +381,30 @@ def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
         computed_tokens=rows * width,
         completion_spans=flat.completion_spans,
     )
+
+
+def collate_spread_row(columns, responses, members: Sequence[int], pad_token_id: int) -> ModelBatch:
+    """The model inputs of a planned row of spread responses (``Row.responses``, indices into ``responses``, a
+    ``StepResponses``), their tokens looked up in the tokenized columns: each unit's prompt once, then its
+    responses here."""
+    members = np.asarray(members, dtype=np.int64)
+    if not members.size:
+        return _dummy(pad_token_id, packed=True)
+    sources = responses.source[members]
+    unique, at = np.unique(sources, return_inverse=True)
+    cols = columns[unique.tolist()]
+    side_names = ("chosen_ids", "rejected_ids")
+    per_side, positions, shared = row_sides(responses, members)
+    units = responses.unit[members]
+    starts = np.flatnonzero(np.r_[True, units[1:] != units[:-1]])
+    ends = np.r_[starts[1:], members.size]
+    groups, sides, names = [], [], []
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        groups.append((cols["prompt_ids"][at[start]],
+                       [cols[side_names[responses.side[members[k]]]][at[k]] for k in range(start, end)]))
+        sides.append(per_side[start:end])
+        names.append(int(sources[start]))
+    return collate_responses(groups, sides, positions.tolist(), shared.tolist(), pad_token_id, names)
 
 
 def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, packed: bool = True,

@@ -35,7 +35,7 @@ from ..files import check_not_an_input, replaces
 from ..model.attention import (OWN_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, check_model_attention, is_flash,
                                 resolve_attn)
 from ..model.torch_varlen import TORCH_VARLEN
-from ..model.collate import ModelBatch, collate_row
+from ..model.collate import ModelBatch, collate_row, collate_spread_row
 from ..model.fused_logps import resolve_logps_impl
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
@@ -330,10 +330,13 @@ class Run:
         with torch.no_grad():
             return self.forward_logps(self.reference, batch, policy=False)
 
-    def row_batch(self, row) -> ModelBatch:
-        """The model inputs of one planned row, packed (each prompt once with prefix sharing) or padded as the run is,
-        on this rank's device."""
+    def row_batch(self, row, plan=None) -> ModelBatch:
+        """The model inputs of one planned row of ``plan`` (a StepPlan), packed (each prompt once with prefix sharing),
+        padded, or of responses spread over ranks as the plan lays them out, on this rank's device."""
         setup = self.setup
+        if plan is not None and plan.responses is not None:
+            return collate_spread_row(setup.prepared.dataset, plan.responses, row.responses,
+                                      setup.pad_token_id).to(self.device)
         return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.cfg.packing,
                            shared_prefix=setup.prefix_sharing,
                            grouped=setup.prefix_sharing and setup.cfg.prompt_groups).to(self.device)
