@@ -181,6 +181,9 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
                 "computed_tokens": metrics["computed_tokens"], "prompt_tokens_shared": metrics["prompt_tokens_shared"],
                 "rows_per_rank": metrics["rows_per_rank"],
                 "rank_tokens": list(plan.rank_tokens), "rank_computed_tokens": list(plan.rank_computed_tokens),
+                "lockstep_tokens": sum(max(rows[i].computed_tokens for rows in plan.ranks)
+                                       for i in range(plan.rows_per_rank)),
+                "prompt_copy_tokens": plan.prompt_copy_tokens,
                 "attention_sq": meter.attention_sq(plan), "flops": meter.step_flops(plan),
                 "prepass_flops": meter.prepass_flops(plan),
                 "row_fill": [row.tokens / setup.plan_cfg.max_tokens_per_row for rows in plan.ranks for row in rows
@@ -238,6 +241,9 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
         "rank_load_max_over_mean": max(balance),
         "rank_load_max_over_mean_mean": sum(balance) / len(balance),
         "rows_per_rank_mean": sum(s["rows_per_rank"] for s in steps) / len(steps),
+        "lockstep_utilization": (sum(sum(s["rank_computed_tokens"]) for s in steps)
+                                 / (setup.layout.dp_size * sum(s["lockstep_tokens"] for s in steps))),
+        "prompt_copy_tokens": sum(s["prompt_copy_tokens"] for s in steps),
         "peak_mem_mb": max(peaks) / 2**20,
         "peak_mem_mb_per_rank": [p / 2**20 for p in peaks],
         "peak_mem_kind": memory_kind,

@@ -29,9 +29,10 @@ from .model.coupled_losses import SORTED_LOSSES
 
 matplotlib.use("Agg")  # files only, no display
 
-SCHEMA_VERSION = 6  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
+SCHEMA_VERSION = 7  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
 # 4: prepass_flops (the aot pre-pass, outside the model FLOPs) and the loss in a merged report; 5: prompt groups'
-# speedup; 6: the configurations a bench that ended early did not measure
+# speedup; 6: the configurations a bench that ended early did not measure; 7: a run's lock-step utilization and the
+# prompt tokens it copied to spread prompt groups over ranks (null in older reports)
 OLDEST_READ_VERSION = 3  # schema 3 lacks prepass_flops (upgrade_schema_3), 3 and 4 the prompt-group figures, which
 # their runs give (prompt_groups_figures), and 3 to 5 wrote a report only once every configuration was measured:
 # clusters benched before still merge
@@ -102,6 +103,12 @@ RUN_SCHEMA = {
     "rank_load_max_over_mean": (NUMBER, "worst step's max/mean computed tokens per rank (1.0 = perfectly balanced)"),
     "rank_load_max_over_mean_mean": (NUMBER, "the same, averaged over the measured steps"),
     "rows_per_rank_mean": (NUMBER, "forward passes (rows or micro-batches) per rank per step"),
+    "lockstep_utilization": (OPTIONAL_NUMBER, "the plan's computed tokens / (data-parallel ranks x sum over row slots "
+                                              "of the slot's largest row): what ZeRO-3's lock-step pays for (null "
+                                              "before schema 7)"),
+    "prompt_copy_tokens": ((int, type(None)), "prompt tokens the rows computed beyond one copy per prompt group of a "
+                                              "step: what spreading a group's responses over ranks spent on balance "
+                                              "(0 without prompt groups; null before schema 7)"),
     "peak_mem_mb": (NUMBER, "highest peak over ranks, MiB"),
     "peak_mem_mb_per_rank": (list, "peak of each rank, MiB"),
     "peak_mem_kind": (str, "'rss' (CPU, sampled every 10 ms) or 'cuda_max_allocated'"),
@@ -114,7 +121,8 @@ RUN_SCHEMA = {
     "mfu": (OPTIONAL_NUMBER, "model_tflops_per_s / (peak_tflops x world_size); null without --peak-tflops"),
     "steps": (list, "per measured step: step, step_time_s, loss, grad_norm, pairs, real_tokens, computed_tokens, "
                     "prompt_tokens_shared, rows_per_rank, rank_tokens and rank_computed_tokens (per data-parallel "
-                    "share; a shared prompt once), attention_sq, flops, prepass_flops, row_fill, sequence_lengths"),
+                    "share; a shared prompt once), lockstep_tokens (sum over row slots of the largest row), "
+                    "prompt_copy_tokens, attention_sq, flops, prepass_flops, row_fill, sequence_lengths"),
 }
 PLOTS = ("tokens_per_s.png", "rank_load.png", "lengths.png")
 
@@ -197,6 +205,11 @@ def check_report(report, source: str) -> dict:
         report.update(dict.fromkeys(prompt_groups_figures({})))
     if isinstance(version, int) and version < 6:  # written complete or not at all
         report["unmeasured"] = []
+    if isinstance(version, int) and version < 7:  # not recorded
+        for run in report.get("runs", {}).values() if isinstance(report.get("runs"), dict) else ():
+            if isinstance(run, dict):
+                run.setdefault("lockstep_utilization", None)
+                run.setdefault("prompt_copy_tokens", None)
     check(report, REPORT_SCHEMA, "")
     for name, run in report["runs"].items():
         if not isinstance(run, dict):
@@ -263,6 +276,7 @@ RUN_COLUMNS = [("configuration", lambda r: r["name"]), ("attn", lambda r: r["att
                ("step s (median)", lambda r: r["step_time_s"]["median"]), ("step s (p90)", lambda r: r["step_time_s"]["p90"]),
                ("real tokens", lambda r: r["real_tokens"]), ("computed tokens", lambda r: r["computed_tokens"]),
                ("utilization", lambda r: r["utilization"]), ("rank max/mean", lambda r: r["rank_load_max_over_mean"]),
+               ("lock-step", lambda r: r["lockstep_utilization"]), ("prompt copies", lambda r: r["prompt_copy_tokens"]),
                ("fwd/rank/step", lambda r: r["rows_per_rank_mean"]), ("peak MiB", lambda r: r["peak_mem_mb"]),
                ("model TFLOP/s", lambda r: r["model_tflops_per_s"]), ("MFU", lambda r: r["mfu"])]
 

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> dict:
     trainer = DPOTrainer(run)
     times = {"extra_cpu_s": [], "step_cpu_s": [], "extra_wall_s": [], "step_wall_s": []}
     for plan in itertools.islice(run_plan(setup.prepared, setup.plan_cfg, cfg.epochs), cfg.max_steps):
-        batches = [run.row_batch(row) for row in plan.ranks[setup.layout.dp_rank]]
+        batches = [run.row_batch(row, plan) for row in plan.ranks[setup.layout.dp_rank]]
         cpu, wall = time.process_time(), time.perf_counter()
         with torch.no_grad():
             for batch in batches:

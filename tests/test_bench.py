@@ -82,7 +82,8 @@ def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
     assert not needs_policy_prepass(parse_train_args(["--loss", "sft"]).loss_config())  # a token count, no forward
     assert not needs_policy_prepass(parse_train_args([]).loss_config())
     model = FlopModel(matmul_params=1000, layers=2, attn_width=8, with_reference=True)
-    plan = SimpleNamespace(ranks=[[SimpleNamespace(pairs=(0, 1))]], rank_computed_tokens=[3 + 4 + 2 + 5])
+    plan = SimpleNamespace(ranks=[[SimpleNamespace(pairs=(0, 1))]], rank_computed_tokens=[3 + 4 + 2 + 5],
+                           responses=None)
     meter = ThroughputMeter(model, [3, 4], [2, 5], packed=True, world_size=1, peak_tflops=None, policy_prepass=True)
     # one policy forward of the step's computed tokens: 2 N T + 4 l d S, S = 3^2 + 4^2 + 2^2 + 5^2
     assert meter.prepass_flops(plan) == 2 * 1000 * 14 + 4 * 2 * 8 * (9 + 16 + 4 + 25)
@@ -121,7 +122,7 @@ def test_a_schema_3_report_still_merges(tmp_path):
     upgraded = check_report(json.loads(json.dumps(old)), "old/report.json")
     assert {run["prepass_flops"] for run in upgraded["runs"].values()} == {None}
     assert "pre-pass whose FLOPs this schema-3 report did not record" in render_markdown(upgraded)
-    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 6"):
+    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 7"):
         check_report(json.loads((DOCS / "bench_report.json").read_text()), "docs/bench_report.json")
 
 
@@ -144,7 +145,9 @@ def test_prompt_groups_speedup_is_reported_and_read_from_older_folders():
             in render_markdown(upgraded))
     fresh = build_report("cmd", {"world_size": 1, "dp_size": 1, "sp_size": 1}, old["dataset"], old["model"],
                          old["environment"], old["settings"], old["runs"])
-    assert fresh["schema_version"] == 6 and fresh["prompt_groups_speedup"] == upgraded["prompt_groups_speedup"]
+    assert fresh["schema_version"] == 7 and fresh["prompt_groups_speedup"] == upgraded["prompt_groups_speedup"]
+    assert upgraded["runs"]["packed"]["lockstep_utilization"] is None  # not recorded before schema 7
+    assert upgraded["runs"]["packed"]["prompt_copy_tokens"] is None
 
 
 def test_a_bench_that_dies_keeps_the_configurations_it_measured(tmp_path, monkeypatch, capsys):
@@ -152,7 +155,8 @@ def test_a_bench_that_dies_keeps_the_configurations_it_measured(tmp_path, monkey
     its figures so) leaves the report of the configurations it measured, naming the one it died in and those not
     measured, and that folder merges.  Ranks stood in for: phase one and each configuration's steps are patched."""
     old = json.loads((DOCS / "bench_prefix_report.json").read_text())
-    measured = {name: dict(run, prepass_flops=0.0) for name, run in old["runs"].items()}
+    measured = {name: dict(run, prepass_flops=0.0, lockstep_utilization=0.9, prompt_copy_tokens=0)
+                for name, run in old["runs"].items()}
     names = [*measured, "padded"]
     layout = SimpleNamespace(rank=0, as_dict=lambda: {"world_size": 1, "dp_size": 1, "sp_size": 1})
     cfg = parse_train_args(["--dtype", "fp32"])
@@ -307,6 +311,8 @@ def test_bench_report_is_consistent(bench_folder):
             assert sum(step["rank_tokens"]) == laid_out and sum(step["rank_computed_tokens"]) == step["computed_tokens"]
             assert step["computed_tokens"] >= laid_out and len(step["rank_tokens"]) == 2
         assert run_["rank_load_max_over_mean"] >= 1.0 and len(run_["peak_mem_mb_per_rank"]) == 2
+        assert 0 < run_["lockstep_utilization"] <= 1.0
+        assert run_["prompt_copy_tokens"] == sum(s["prompt_copy_tokens"] for s in steps) >= 0
         assert run_["peak_mem_kind"] == "rss" and 50 < run_["peak_mem_mb"] < 20_000 and run_["mfu"] is None
     assert report["speedup"] == pytest.approx(packed["tokens_per_s"] / padded["tokens_per_s"])
     assert report["ideal_speedup"] == pytest.approx(padded["computed_tokens"] / packed["computed_tokens"])
@@ -323,8 +329,10 @@ def test_bench_report_is_consistent(bench_folder):
         assert run_["model_tflops_per_s"] == pytest.approx(
             run_["model_flops"] / sum(s["step_time_s"] for s in run_["steps"]) / 1e12)
         assert run_["prepass_flops"] == 0 == sum(s["prepass_flops"] for s in run_["steps"])  # sigmoid: no pre-pass
+    assert padded["prompt_copy_tokens"] == 0 == report["runs"]["packed-no-prefix-sharing"]["prompt_copy_tokens"]
     markdown = (bench_folder / "report.md").read_text()
     assert "| packed | sdpa_varlen |" in markdown and "| padded | sdpa_varlen |" in markdown
+    assert "| lock-step | prompt copies |" in markdown
     assert f"{report['speedup']:.3g}" in markdown and "ds_packdpo.bench" in markdown
     assert "2 ranks (2 data-parallel x 1 sequence-parallel)" in markdown
     assert "the same trajectory up to rounding" in markdown

@@ -29,7 +29,9 @@ micro-step.
 With prefix sharing (``PlanConfig.prefix_sharing``: packed rows hold each pair as
 ``[prompt | chosen | rejected]``) a pair takes P + C + R tokens of its row and attention
 term (P + C)^2 + R (P + R) (:func:`pair_tokens`, :func:`pair_attention_sq`); the steps'
-pairs (layer 1) are the same either way.
+pairs (layer 1) are the same either way.  With prompt groups (``PlanConfig.prompt_groups``) a step
+whose prompts repeat takes layers 2-3 from ``data/response_spread.py``: its distinct responses are
+the items, spread over the ranks within row slots, each prompt copied per row (``StepPlan.responses``).
 
 Planning a step looks at that step's pairs only, so resuming from (epoch, step) is
 skipping.  numpy only: no torch, nothing distributed.

@@ -330,11 +330,11 @@ class Run:
         with torch.no_grad():
             return self.forward_logps(self.reference, batch, policy=False)
 
-    def row_batch(self, row, plan=None) -> ModelBatch:
+    def row_batch(self, row, plan) -> ModelBatch:
         """The model inputs of one planned row of ``plan`` (a StepPlan), packed (each prompt once with prefix sharing),
         padded, or of responses spread over ranks as the plan lays them out, on this rank's device."""
         setup = self.setup
-        if plan is not None and plan.responses is not None:
+        if plan.responses is not None:
             return collate_spread_row(setup.prepared.dataset, plan.responses, row.responses,
                                       setup.pad_token_id).to(self.device)
         return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.cfg.packing,

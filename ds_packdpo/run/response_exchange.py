@@ -12,10 +12,14 @@ graph (:func:`local_view`): its gradient is the loss's gradient with respect to 
 backpropagates through its own rows only.  Summed over ranks by DeepSpeed, that is the gradient of the one-rank
 grouped run, exactly: the loss is ``L(s_1 .. s_M)`` and rank r contributes ``sum over its i of dL/ds_i ds_i/dtheta``.
 
-Cost: one all-reduce per row slot of ``fields x 2N`` fp64 numbers (``N`` the step's pairs; 7 fields with the
-policy's statistics, 3 more with a live reference: 2.6 MB at 8,192 pairs), no second forward and no activations
-kept past their slot (the alternative measured on paper: keeping every row's graph until one backward holds K rows'
-activations; a no-grad pre-pass costs one more forward per row, what ``--loss aot`` pays already).
+Why per slot: the planner keeps a group's pairs in one row slot (``data/response_spread.py``), so the sums a slot's
+loss needs all exist right after that slot's forward, and each row is backpropagated before the next one runs, as
+without prompt groups.  Cost: one all-reduce per row slot of ``fields x 2N`` fp64 numbers (``N`` the step's pairs;
+5 fields of the policy's sums and statistics, up to 2 more with LD-DPO or WPO, 3 with a live reference: 1.3 MB at
+8,192 pairs), no second forward and no activations kept past their slot.  The two other ways considered: keeping
+every row's graph until one backward after the last row holds K rows' activations at once (what the row budget is
+there to bound); a no-grad pre-pass for the sums, then a forward and backward per row, costs one more policy forward
+per row, +27 % of a step on this machine's CPU (``--loss aot``'s pre-pass, measured in docs/losses.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,11 @@ Per optimizer step each rank runs the same number K of rows (the plan guarantees
 ZeRO-3 hangs otherwise).  The loss of a row is its pairs' loss sum divided by the
 step's global pair count times the count DeepSpeed divides the summed gradients by
 (``ParallelLayout.gradient_divisor``), so DeepSpeed's gradient average equals the
-gradient of the mean over all pairs of the step, whatever the layout.  The
+gradient of the mean over all pairs of the step, whatever the layout.  With prompt groups spread
+over ranks a row holds no whole pair: every rank's row i carries the loss of all the pairs of row
+slot i, its own responses' sums with their graph and the others' exchanged (``response_exchange``),
+so each rank's gradient is its responses' share and their sum the one-rank gradient; the pairs'
+figures are counted once (rank 0).  The
 accumulation boundary is set by hand because K changes from step to step.
 """
 
