@@ -6,24 +6,25 @@ forward (``run/response_exchange.py``) and every rank evaluates the loss of all 
 layout is the response; the step's pairs do not change (they are whole groups, ``data/plan.py``).
 
 :func:`step_responses` lists the step's distinct responses (a response in several pairs is computed once).
-:func:`spread_responses` lays them out in ``world x slots`` rows: a group's pairs stay in one slot (row index i on
+:func:`spread_step` lays them out in ``world x slots`` rows: a group's pairs stay in one slot (row index i on
 every rank), so that the exchange after slot i's forward gives every sum its pairs need and each row is
 backpropagated before the next one runs (no second forward, no row's activations kept past its slot).  Within a slot
 the responses are dealt to the ``world`` rows to minimise the largest row (what the step's time follows under
 ZeRO-3's lock-step), counting each prompt once per row that holds one of its responses:
 
-1. a target L is searched between a lower bound and the row budget; for a target, groups are placed largest first
-   (a group's prompt weighted x3: a long prompt is the dearest to copy), whole into the fullest row they fit
-   (best fit), else split over the fullest rows that still take a response with its prompt copy, each row taking
-   the largest of the group's responses that fit.  Filling the fullest rows first mattered: on the demo at 8 ranks
-   lock-step utilization 0.985 against 0.978 filling the emptiest first, on a 12-answer set at 64 ranks 0.964
-   against 0.944 (scripts/expand_multi_response.py; `pack-stats`, docs/packing.md);
-2. then the largest row gives a response to another row, or swaps one, while that lowers the largest of the two.
+1. a target L is searched between a lower bound (the mean row, the largest response with its prompt) and the row
+   budget; for a target, groups are placed largest first, whole into the fullest row they fit (best fit), else
+   split over the fullest rows that still take a response with its prompt copy, each row taking the largest of the
+   group's responses that fit.  Filling the fullest rows first is what balances wide steps: lock-step utilization
+   0.971 and 0.963 on the 10- and 12-answer sets at 64 ranks against 0.950 and 0.945 filling the emptiest first
+   (0.979 either way on the demo at 8 ranks; docs/packing.md's pack-stats settings);
+2. then the largest row gives a response to another row, or swaps one, while that lowers the largest of the two
+   (demo: 0.979 against 0.974 without this step; 64 ranks: +0.001 and +0.002).
 
-So a group is split over more rows only where that lowers the step's largest row (the prompt copies are counted in
-the loads the search compares), and a plan with fewer copies wins a tie.  A group larger than three quarters of a
-slot (``world x budget``) is cut, in pair order, into runs of whole pairs first (:func:`cut_units`); a response in
-two runs is then computed twice.  numpy; no torch.
+So a group is split over more rows only where no row takes it whole under the lowest target the search reaches
+(the prompt copies counted in the loads it compares): balance and copies are weighed by the step's largest row,
+what its time follows.  A group larger than three quarters of a slot (``world x budget``) is cut, in pair order,
+into runs of whole pairs first (:func:`cut_units`); a response in two runs is then computed twice.  numpy; no torch.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import numpy as np
 
 from .prompt_groups import PairGroups
 
-PROMPT_WEIGHT = 3  # placement order: unit cost + 3 x its prompt (measured: 0.985 vs 0.980 on the demo at 8 ranks)
 _SEARCH_TOLERANCE = 0.002  # the target's search stops within 0.2 % of the best found
 _MARGINS = (1.0, 1.03, 1.1, 1.3, 2.0, None)  # targets tried above the lower bound before bisecting (None: budget only)
 _POLISH_ROUNDS_PER_ROW = 2  # local search: at most 2 x rows improving moves per slot (each lowers the largest row)
@@ -70,7 +70,7 @@ def cut_units(step_pairs: np.ndarray, groups: PairGroups, chosen: np.ndarray, re
     _, unit = np.unique(group, return_inverse=True)
     ids = np.stack([groups.chosen[step_pairs], groups.rejected[step_pairs]], 1)
     lengths = np.stack([chosen[step_pairs], rejected[step_pairs]], 1) - prompt[step_pairs, None]
-    distinct, first = np.unique(ids.reshape(-1), return_index=True)
+    _, first = np.unique(ids.reshape(-1), return_index=True)
     unit_tokens = np.bincount(unit.repeat(2)[first], weights=lengths.reshape(-1)[first],
                               minlength=unit.max() + 1)
     unit_tokens += np.bincount(unit, weights=prompt[step_pairs], minlength=unit.max() + 1) / np.bincount(unit)
@@ -266,7 +266,7 @@ def spread_slot(slot: _Slot, rows: int, budget: int) -> np.ndarray | None:
     slot's responses do not fit ``rows`` rows of ``budget`` tokens."""
     units = slot.prompt_cost.size
     unit_cost = slot.prompt_cost + np.bincount(slot.unit, weights=slot.cost, minlength=units)
-    order = np.argsort(-(unit_cost + (PROMPT_WEIGHT - 1) * slot.prompt_cost), kind="stable").tolist()
+    order = np.argsort(-unit_cost, kind="stable").tolist()
     single = slot.cost + slot.prompt_cost[slot.unit]
     bound = max(unit_cost.sum() / rows, float(single.max()))
     best, low = None, bound
