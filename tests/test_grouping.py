@@ -8,6 +8,7 @@ eager attention (fp32), for every architecture of the matrix, on sequences longe
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.data.plan import PlanConfig, iter_plan, pack_stats, step_compositions, steps_per_epoch
+from ds_packdpo.data.plan import (PlanConfig, iter_plan, pack_stats, step_compositions, steps_per_epoch,
+                                  write_plan_jsonl)
 from ds_packdpo.data.prompt_groups import PairGroups, pair_groups
 from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.model import prefix_attention, torch_varlen
@@ -31,6 +33,7 @@ from ds_packdpo.model.matrix import matrix_outcome
 from ds_packdpo.run.assemble import prepare
 from ds_packdpo.run.reference import PrecomputedReference
 from ds_packdpo.run.sequence_parallel import slice_row
+from ds_packdpo.run.trainer import describe_copies
 
 from launching import cpu_env, ranks_module, read_metrics, run
 from varlen_emulation import use_torch_varlen_emulation
@@ -300,6 +303,30 @@ def test_pack_stats_reports_tokens_saved_by_groups():
     assert figures[False]["prompt_groups_ideal_speedup"] == 1.0
     assert figures[True]["prompt_groups_ideal_speedup"] > 1.5  # 2-6 responses, every pair of them
     assert figures[True]["sequence_tokens"] == int((chosen + rejected).sum())
+    assert figures[False]["prompt_copy_tokens"] == 0 < figures[True]["prompt_copy_tokens"]
+
+
+def test_plan_file_and_plan_line_name_the_spread_responses_and_their_copies(tmp_path):
+    """--plan-out lists, for a row of prompt groups, each response it computes as [pair id, side] beside the pairs it
+    holds a side of; the plan line says the prompt tokens copied beside the lock-step utilization."""
+    pairs = grouped_token_pairs(12, seed=6)
+    chosen, rejected, prompt, groups = plan_inputs(pairs)
+    cfg = PlanConfig(max_tokens_per_row=4000, dp_size=4, global_batch_pairs=40, prefix_sharing=True,
+                     prompt_groups=True)
+    plans = list(iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt, groups=groups))
+    names = [f"p{i}" for i in range(len(pairs))]
+    write_plan_jsonl(plans, tmp_path / "plan.jsonl", pair_ids=names)
+    records = [json.loads(line) for line in (tmp_path / "plan.jsonl").read_text().splitlines()]
+    computed = sorted((pair, side) for record in records for pair, side in record.get("responses", []))
+    want = []
+    for plan in plans:
+        responses = plan.responses
+        want += [(names[responses.source[m]], ("chosen", "rejected")[responses.side[m]]) for m in range(responses.count)]
+    assert computed == sorted(want) and all(set(r) >= {"pairs", "tokens", "responses"} for r in records)
+    copies = sum(plan.prompt_copy_tokens for plan in plans)
+    line = describe_copies({"prompt_copy_tokens": copies, "tokens": 1000 * copies})
+    assert line == f" with {copies:,} prompt tokens copied to spread groups over ranks (0.1% of the tokens)"
+    assert describe_copies({"tokens": 10}) == ""  # no prompt groups: nothing said
 
 
 MULTI_DEMO_PATH = Path(__file__).resolve().parents[2] / "shared/data/multi_response_demo.jsonl"
