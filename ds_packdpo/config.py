@@ -41,11 +41,6 @@ def _opt(help_text: str, default=None, choices=None, **meta):
     return field(default=default, metadata={"help": help_text, "choices": choices, **meta})
 
 
-# --loss names (model.losses and TRL 1.16's family, model.loss_family), checked in phase one without the model stack
-LOSS_NAMES = ("sigmoid", "robust", "hinge", "ipo", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
-
-
 @dataclass
 class TrainConfig:
     # --- model ---
@@ -285,11 +280,11 @@ class TrainConfig:
                           micro_batch_pairs=self.micro_batch_pairs, prefix_sharing=self.shares_prefixes,
                           prompt_groups=self.shares_prefixes and self.prompt_groups)
 
-    def loss_config(self):
-        """The loss settings (model.losses.LossConfig), validated."""
-        # Deferred import: the losses bring the model stack (its kernels, transformers' attention), which
-        # prepare and pack-stats never need.
-        from .model.losses import LossConfig
+    def loss_config(self, together: bool = True):
+        """The loss settings (model.loss_registry.LossConfig), validated: every rule about a loss is there (not
+        ``together``: each setting on its own, as the flags are parsed for any command)."""
+        # Deferred import: the loss registry brings torch, which the settings alone do not need.
+        from .model.loss_registry import LossConfig
 
         try:
             weights = None if self.loss_weights is None else tuple(float(w) for w in self.loss_weights.split(","))
@@ -300,7 +295,7 @@ class TrainConfig:
                           f_divergence_type=self.f_divergence_type,
                           f_alpha_divergence_coef=self.f_alpha_divergence_coef, discopop_tau=self.discopop_tau,
                           ld_alpha=self.ld_alpha, use_weighting=self.use_weighting)
-        loss.validate()
+        loss.validate(together)
         return loss
 
     @property
@@ -340,17 +335,8 @@ class TrainConfig:
                 raise InputError(f"--{flag(f.name)} must be at most {LARGEST_COUNT}, got {value}")
         if not 0 <= self.seed <= LARGEST_SEED:
             raise InputError(f"--seed must be in [0, {LARGEST_SEED}] (numpy's seeds), got {self.seed}")
-        unknown = [name for name in self.loss.split(",") if name not in LOSS_NAMES]
-        if unknown:
-            raise InputError(f"--loss: unknown loss {unknown[0]!r} (choices: {', '.join(LOSS_NAMES)})")
-        if not self.discopop_tau > 0:  # a temperature: DiscoPOP divides by it
-            raise InputError(f"--discopop-tau must be > 0, got {self.discopop_tau}")
-        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:  # model/token_weights.py's range
-            raise InputError(f"--ld-alpha must be in [0, 1] (the weight of the tokens past the shorter completion's "
-                             f"length), got {self.ld_alpha}")
-        if self.loss_weights is not None and len(self.loss_weights.split(",")) != len(self.loss.split(",")):
-            raise InputError(f"--loss-weights: {self.loss_weights!r} has not one weight per --loss entry ({self.loss})")
-        for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight", "rpo_alpha"):
+        self.loss_config(together=False)
+        for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight"):
             if getattr(self, key) < 0:
                 raise InputError(f"--{flag(key)} must be >= 0, got {getattr(self, key)}")
         positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "sequence_parallel_size",
@@ -372,10 +358,8 @@ class TrainConfig:
         for key in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise InputError(f"--{flag(key)} must be in [0, 1), got {getattr(self, key)}")
-        if self.lr <= 0 or self.beta <= 0:
+        if self.lr <= 0:  # (--beta > 0 is the loss settings' rule, checked above)
             raise InputError(f"--lr and --beta must be > 0, got lr={self.lr} beta={self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise InputError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise InputError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
         if not 0 < self.stop_grace_s < math.inf:
@@ -428,8 +412,8 @@ class TrainConfig:
 
     def ref_logps_conflict(self) -> str | None:
         """Why these settings take no precomputed reference (None: they do)."""
-        if self.loss == "simpo":
-            return "--loss simpo is reference-free"
+        if not self.loss_config(together=False).needs_reference:
+            return f"--loss {self.loss} is reference-free"
         return "--ref-offload needs a reference model" if self.ref_offload else None
 
     def _validate_scale_settings(self) -> None:
@@ -478,8 +462,10 @@ class TrainConfig:
         if self.ref_logps is not None:
             raise InputError(f"--sync-ref-model with --ref-logps {self.ref_logps}: precomputed log-probs are of a fixed "
                              f"reference, which TR-DPO moves; drop one of them")
-        if self.loss == "simpo":
-            raise InputError("--sync-ref-model with --loss simpo: SimPO is reference-free, there is no reference to mix")
+        loss = self.loss_config(together=False)
+        if not loss.needs_reference:
+            raise InputError(f"--sync-ref-model with --loss {self.loss}: {loss.specs[0].title} is reference-free, "
+                             f"there is no reference to mix")
 
     def _validate_lora(self) -> None:
         if self.lora_r < 0:

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt
 
 from .errors import InputError
 from .files import atomic_folder, check_output_folder
-from .model.coupled_losses import SORTED_LOSSES
+from .model.loss_registry import needs_policy_prepass
 
 matplotlib.use("Agg")  # files only, no display
 
@@ -226,8 +226,7 @@ def check_report(report, source: str) -> dict:
 def upgrade_schema_3(report: dict) -> None:
     """A schema-3 report in schema 4's form: its runs' ``prepass_flops`` is 0 for a loss without the aot pre-pass
     (nothing was left out) and null, unknown, for one with it (schema 3 did not record it)."""
-    losses = set(str(report["settings"].get("loss", "")).split(","))
-    unrecorded = None if losses & set(SORTED_LOSSES) else 0.0
+    unrecorded = None if needs_policy_prepass(str(report["settings"].get("loss", "")).split(",")) else 0.0
     for run in report["runs"].values():
         run.setdefault("prepass_flops", unrecorded)
 

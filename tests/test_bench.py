@@ -21,7 +21,6 @@ from ds_packdpo.model.build import build_model, tiny_config
 from ds_packdpo.model.lora import LoraSettings, add_adapters
 from ds_packdpo.report import (GROUPS_OFF, PLOTS, REPORT_SCHEMA, RUN_SCHEMA, build_report, check_report, merge_reports,
                                read_report, render_markdown, write_merged)
-from ds_packdpo.run.step_statistics import needs_policy_prepass
 
 from launching import ranks_module, run
 
@@ -77,10 +76,10 @@ def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
     every log-prob first).  A step of one micro-batch would not repeat it, so it is not model FLOPs (nor MFU), like
     activation checkpointing's recomputation; the bench counts it apart and report.md says what MFU leaves out (it
     said nothing: a tiny-model aot bench's MFU left out 25% more FLOPs than it counted, unstated)."""
-    assert needs_policy_prepass(parse_train_args(["--loss", "aot"]).loss_config())
-    assert needs_policy_prepass(parse_train_args(["--loss", "sigmoid,aot_unpaired"]).loss_config())
-    assert not needs_policy_prepass(parse_train_args(["--loss", "sft"]).loss_config())  # a token count, no forward
-    assert not needs_policy_prepass(parse_train_args([]).loss_config())
+    assert parse_train_args(["--loss", "aot"]).loss_config().needs_policy_prepass
+    assert parse_train_args(["--loss", "sigmoid,aot_unpaired"]).loss_config().needs_policy_prepass
+    assert not parse_train_args(["--loss", "sft"]).loss_config().needs_policy_prepass  # a token count, no forward
+    assert not parse_train_args([]).loss_config().needs_policy_prepass
     model = FlopModel(matmul_params=1000, layers=2, attn_width=8, with_reference=True)
     plan = SimpleNamespace(ranks=[[SimpleNamespace(pairs=(0, 1))]], rank_computed_tokens=[3 + 4 + 2 + 5],
                            responses=None)

@@ -18,8 +18,7 @@ from ds_packdpo.model.collate import collate_grouped, collate_packed, collate_pa
 from ds_packdpo.model.coupled_losses import StepStatistic
 from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.model.logps import SequenceLogps
-from ds_packdpo.model.loss_family import FamilyConfig, family_pair_losses
-from ds_packdpo.model.losses import global_normalized_loss
+from ds_packdpo.model.losses import LossConfig, global_normalized_loss, pair_losses
 from ds_packdpo.run.assemble import prepare
 from ds_packdpo.run.step_statistics import chosen_token_counts, local_values
 
@@ -39,7 +38,7 @@ def with_ties(completion, shifted, per_token, ref):
     return completion, shifted, per_token.requires_grad_(), ref
 
 
-def split_step_loss(cfg: FamilyConfig, shifted, per_token, ref) -> torch.Tensor:
+def split_step_loss(cfg: LossConfig, shifted, per_token, ref) -> torch.Tensor:
     """The step's loss summed over the rows of LAYOUT, each row's terms matched against the gathered statistic."""
     tokens = canonical(shifted.sum(1))
     policy = SequenceLogps(canonical((per_token.double() * shifted).sum(1)), tokens, torch.zeros_like(tokens))
@@ -59,24 +58,24 @@ def split_step_loss(cfg: FamilyConfig, shifted, per_token, ref) -> torch.Tensor:
     total = 0.0
     for rank_rows in LAYOUT:
         for slots in rank_rows:
-            losses, _ = family_pair_losses(row_of(policy, slots), row_of(reference, slots), cfg,
-                                           statistic.partners(torch.tensor(slots)))
+            losses, _ = pair_losses(row_of(policy, slots), row_of(reference, slots), cfg,
+                                    statistic.partners(torch.tensor(slots)))
             total = total + global_normalized_loss(losses, PAIRS, gradient_divisor=1)
     return total
 
 
 COUPLED_CONFIGS = [
-    FamilyConfig(("aot",), label_smoothing=0.1),
-    FamilyConfig(("aot_unpaired",), label_smoothing=0.1, beta=0.5),
-    FamilyConfig(("sft",)),
-    FamilyConfig(("sigmoid", "aot"), (1.0, 0.5), beta=0.3),
-    FamilyConfig(("sigmoid", "aot", "aot_unpaired", "sft", "bco_pair"), (1.0, 0.5, 0.7, 0.3, 0.25), beta=0.3,
-                 label_smoothing=0.05),
+    LossConfig("aot", label_smoothing=0.1),
+    LossConfig("aot_unpaired", label_smoothing=0.1, beta=0.5),
+    LossConfig("sft"),
+    LossConfig("sigmoid,aot", loss_weights=(1.0, 0.5), beta=0.3),
+    LossConfig("sigmoid,aot,aot_unpaired,sft,bco_pair", loss_weights=(1.0, 0.5, 0.7, 0.3, 0.25), beta=0.3,
+               label_smoothing=0.05),
 ]
 
 
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-@pytest.mark.parametrize("cfg", COUPLED_CONFIGS, ids=lambda c: "+".join(c.loss_types))
+@pytest.mark.parametrize("cfg", COUPLED_CONFIGS, ids=lambda c: c.loss_type.replace(",", "+"))
 def test_step_split_over_rows_and_ranks_equals_trl_on_the_whole_step(cfg, ties, monkeypatch):
     cfg.validate()
     completion, shifted, per_token, ref = example(seed=3)
@@ -105,9 +104,9 @@ def test_a_micro_batch_alone_is_not_the_step():
     first = SequenceLogps(policy.logps[:4], tokens[:4], tokens[:4] * 0)
     first_ref = SequenceLogps(reference.logps[:4], tokens[:4], tokens[:4] * 0)
     for name in ("aot", "aot_unpaired", "sft"):
-        cfg = FamilyConfig((name,))
-        alone, _ = family_pair_losses(first, first_ref, cfg)
-        in_step, _ = family_pair_losses(first, first_ref, cfg, statistic.partners(torch.tensor([0, 1])))
+        cfg = LossConfig(name)
+        alone, _ = pair_losses(first, first_ref, cfg)
+        in_step, _ = pair_losses(first, first_ref, cfg, statistic.partners(torch.tensor([0, 1])))
         assert not torch.allclose(alone, in_step, rtol=1e-6), name
 
 
@@ -140,10 +139,10 @@ def test_step_one_of_a_run_equals_trl_on_its_pairs(tmp_path):
     loss of aot + aot_unpaired + sft equals TRL 1.16's ``_compute_loss`` on the step's pairs, whose log-prob sums an
     fp64 plain-HF oracle computes one sequence at a time."""
     policy, reference = save_long_model(tmp_path / "policy", 0), save_long_model(tmp_path / "reference", 1)
-    cfg = FamilyConfig(("aot", "aot_unpaired", "sft"), (1.0, 0.5, 0.3), label_smoothing=0.1)
+    cfg = LossConfig("aot,aot_unpaired,sft", loss_weights=(1.0, 0.5, 0.3), label_smoothing=0.1)
     flags = ["--model", str(policy), "--ref-model", str(reference), "--cache-dir", str(tmp_path / "cache"),
              *SMALL_RUN, "--global-batch-pairs", str(PAIRS), "--max-steps", "1", "--max-tokens-per-row", "4096",
-             "--no-prefix-sharing", "--loss", ",".join(cfg.loss_types), "--loss-weights", "1,0.5,0.3",
+             "--no-prefix-sharing", "--loss", cfg.loss_type, "--loss-weights", "1,0.5,0.3",
              "--label-smoothing", "0.1"]
     run(ranks_module(1, "ds_packdpo.train", "--output-dir", str(tmp_path / "run"), *flags))
     (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")

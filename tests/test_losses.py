@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,12 +14,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ds_packdpo.config import flag_fields
 from ds_packdpo.errors import InputError
 from ds_packdpo.model.logps import SequenceLogps, sequence_logps
-from ds_packdpo.model.losses import (LOSS_TYPES, LossConfig, global_normalized_loss, metric_means, metric_sums,
-                               pair_losses)
+from ds_packdpo.model.loss_registry import LOSS_NAMES
+from ds_packdpo.model.losses import LossConfig, global_normalized_loss, metric_means, metric_sums, pair_losses
 
 VOCAB = 40
+LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")  # the losses trl_reference computes
 
 
 def padded_example(pairs: int, seed: int, max_len: int = 12):
@@ -220,3 +226,87 @@ def test_global_normalized_loss_value_and_bad_count():
     assert float(global_normalized_loss(losses, global_pairs=12, gradient_divisor=4)) == pytest.approx(6.0 / 12 * 4)
     with pytest.raises(ValueError):
         global_normalized_loss(losses, global_pairs=0, gradient_divisor=1)
+
+
+# ----------------------------------------------------------------------------- one chain, one table
+def _pairs(seed: int, pairs: int = 6) -> tuple[SequenceLogps, SequenceLogps]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 30, (2 * pairs,), generator=g).double()
+    policy = -torch.rand(2 * pairs, generator=g, dtype=torch.float64) * 40
+    reference = policy + torch.randn(2 * pairs, generator=g, dtype=torch.float64) * 3
+    zeros = torch.zeros_like(tokens)
+    return SequenceLogps(policy, tokens, zeros), SequenceLogps(reference, tokens, zeros)
+
+
+@pytest.mark.parametrize("cfg", [LossConfig("sigmoid", label_smoothing=0.2), LossConfig("robust", label_smoothing=0.1),
+                                 LossConfig("hinge"), LossConfig("ipo", beta=0.5),
+                                 LossConfig("simpo", beta=2.0, label_smoothing=0.1)], ids=lambda c: c.loss_type)
+def test_a_loss_is_the_same_whatever_other_settings_are_given(cfg):
+    """--loss-weights (or LD-DPO, WPO, an f-divergence) once moved a loss to a second copy of it that read
+    --label-smoothing and reported its metrics otherwise; a weight of 1 now changes nothing, a weight w scales the loss
+    alone, and sigmoid's label smoothing is that of cDPO whenever it is the only loss."""
+    policy, reference = _pairs(4)
+    losses, metrics = pair_losses(policy, reference, cfg)
+    weighted = dataclasses.replace(cfg, loss_weights=(1.0,))
+    weighted.validate()
+    again, again_metrics = pair_losses(policy, reference, weighted)
+    assert torch.equal(losses, again) and all(torch.equal(metrics[k], again_metrics[k]) for k in metrics)
+    doubled, doubled_metrics = pair_losses(policy, reference, dataclasses.replace(cfg, loss_weights=(2.0,)))
+    assert torch.equal(doubled, 2 * losses) and all(torch.equal(metrics[k], doubled_metrics[k]) for k in metrics)
+    if cfg.loss_type == "sigmoid":
+        js = dataclasses.replace(cfg, f_divergence_type="js_divergence", ld_alpha=0.5, use_weighting=True)
+        js.validate()  # refused once: "--label-smoothing has no effect" on the second copy
+        unsmoothed, _ = pair_losses(policy, reference, dataclasses.replace(cfg, label_smoothing=0.0))
+        assert not torch.allclose(losses, unsmoothed)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"loss_type": "sigmoid,hinge", "label_smoothing": 0.1}, "--label-smoothing 0.1 has no effect"),  # TRL 1.16 too
+    ({"loss_type": "robust", "label_smoothing": 0.5, "loss_weights": (1.0,)}, "--label-smoothing must be in [0, 0.5)"),
+    ({"loss_type": "aot", "label_smoothing": -0.1}, "--label-smoothing must be in [0, 0.5)"),
+    ({"loss_type": "simpo,sigmoid"}, "--loss simpo,sigmoid: SimPO is reference-free"),
+    ({"loss_type": "simpo", "f_divergence_type": "js_divergence"}, "--f-divergence-type js_divergence has no effect"),
+])
+def test_each_rule_is_one_for_every_loss(kwargs, message):
+    """Ranges and combinations once checked on one of two paths only are refused on every one."""
+    with pytest.raises(InputError) as info:
+        LossConfig(**kwargs).validate()
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_sigmoid_in_a_combination_reads_no_label_smoothing():
+    """TRL 1.16's sigmoid term takes no label smoothing: in a combination --label-smoothing is robust's, aot's ..."""
+    policy, reference = _pairs(5)
+    combined, _ = pair_losses(policy, reference, LossConfig("sigmoid,robust", label_smoothing=0.1))
+    plain, _ = pair_losses(policy, reference, LossConfig("sigmoid"))
+    robust, _ = pair_losses(policy, reference, LossConfig("robust", label_smoothing=0.1))
+    torch.testing.assert_close(combined, plain + robust, rtol=1e-15, atol=0)
+
+
+def _package_modules():
+    package = Path(__file__).resolve().parents[1] / "ds_packdpo"
+    return {path.relative_to(package.parent).as_posix(): ast.parse(path.read_text()) for path in package.rglob("*.py")}
+
+
+def test_no_module_but_the_registry_names_a_loss():
+    """Every property of a loss is a field of its row (model/loss_registry.py): no module compares a loss name or
+    keeps a collection of them (the name tuples and ``== "simpo"`` spread over five modules before)."""
+    named = []
+    for module, tree in _package_modules().items():
+        if module == "ds_packdpo/model/loss_registry.py":
+            continue
+        for node in ast.walk(tree):
+            operands = ([node.left, *node.comparators] if isinstance(node, ast.Compare)
+                        else node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+                        else node.keys if isinstance(node, ast.Dict) else [])
+            for operand in operands:
+                values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                named += [(module, node.lineno, v.value) for v in values
+                          if isinstance(v, ast.Constant) and v.value in LOSS_NAMES]
+    assert named == []
+
+
+def test_the_loss_flag_lists_every_loss_of_the_registry():
+    """--loss's help (and docs/cli.md, generated from it) is written by hand: it names every row."""
+    (loss,) = [f for f in flag_fields() if f.name == "loss"]
+    assert set(LOSS_NAMES) <= set(re.findall(r"[a-z_]+", loss.metadata["help"]))

@@ -78,7 +78,7 @@ def test_trajectory_independent_of_layout(tmp_path):
 
 @pytest.mark.multirank
 def test_combined_trl_losses_independent_of_layout(tmp_path):
-    """A weighted combination of TRL 1.16 losses (model/loss_family.py) gives one trajectory on 1 rank and on 2 ranks
+    """A weighted combination of TRL 1.16 losses (model/loss_registry.py) gives one trajectory on 1 rank and on 2 ranks
     with sequence parallelism and small rows (the layouts furthest apart), padded, and with 200-token rows."""
     combo = ("--loss", "sigmoid,bco_pair,ipo,nca_pair,apo_zero", "--loss-weights", "1,0.5,0.25,0.5,0.3")
     reference = launch(tmp_path, "w1_combo", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing", *combo)

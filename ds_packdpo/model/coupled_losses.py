@@ -1,10 +1,11 @@
-"""The batch-coupled TRL 1.16 losses (``aot``, ``aot_unpaired``, ``sft``) as per-pair terms of a whole step.
+"""What the batch-coupled TRL 1.16 losses (``aot``, ``aot_unpaired``, ``sft``: rows of :mod:`.loss_registry` whose
+``coupling`` is set) are matched against: the statistic of the whole step.
 
 TRL sorts (AOT) or token-averages (SFT) over each device micro-batch, so its result depends on the
 number of GPUs.  Here the coupling statistic is that of the whole optimizer step (or of the whole
 held-out set), gathered once (:mod:`ds_packdpo.run.step_statistics`) into a :class:`StepStatistic`
 indexed by *slot*, a pair's position in the step (``StepPlan.pairs``), which no layout changes.  Each
-pair then gets a per-pair term whose sum over the step has TRL's value on the whole step in one
+pair then gets a per-pair term (the rows' functions) whose sum over the step has TRL's value on the whole step in one
 batch and whose gradient with respect to that pair's log-probs is TRL's:
 
 * ``aot``: pair i whose policy margin ``pc - pr`` has rank k_i in the step is matched with the k_i-th
@@ -21,27 +22,21 @@ batch and whose gradient with respect to that pair's log-probs is TRL's:
 
 Ranks break ties by slot (a stable sort of the slot-ordered values), the same on every rank and
 every layout; the ranks come from the no-grad pre-pass, so a gradient-mode forward that differs in
-the last bit (GPU kernels) still gets the same matching.  Everything here is fp64 and detached
-except the pair's own log-probs.
+the last bit (GPU kernels) still gets the same matching.  Everything here is fp64 and detached: a term's gradient
+flows into its own pair's log-probs only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from .logps import SequenceLogps
+if TYPE_CHECKING:
+    from .logps import SequenceLogps
 
-COUPLED_LOSSES = ("aot", "aot_unpaired", "sft")
-SORTED_LOSSES = ("aot", "aot_unpaired")  # these need every pair's log-probs before the gradient pass
 VALUES_PER_PAIR = 4  # policy chosen, policy rejected, reference chosen, reference rejected
-
-
-def smoothed_sigmoid(z: torch.Tensor, eps: float) -> torch.Tensor:
-    """``-(1 - eps) log sig(z) - eps log sig(-z)`` (AOT's label-smoothed sigmoid)."""
-    return -F.logsigmoid(z) * (1 - eps) - F.logsigmoid(-z) * eps
 
 
 def _ranks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,21 +99,3 @@ def batch_partners(policy: SequenceLogps, reference: SequenceLogps) -> PairPartn
                           reference.rejected_logps]).detach()
     statistic = StepStatistic.from_values(values, values.shape[1], float(policy.chosen_tokens.sum()))
     return statistic.partners(torch.arange(values.shape[1], device=values.device))
-
-
-def coupled_loss(name: str, policy: SequenceLogps, reference: SequenceLogps, partners: PairPartners, beta: float,
-                 eps: float) -> torch.Tensor:
-    """Per-pair term [P] of a batch-coupled loss (module docstring: values sum to TRL's, gradients are TRL's)."""
-    pc, pr = policy.chosen_logps, policy.rejected_logps
-    if name == "sft":  # -sum(chosen token log-probs) / T, a pair's share; TRL's sft reads the unweighted (no LD) sums
-        return -policy.unweighted_logps[0::2] * partners.sft_scale
-    if partners.aot_reference is None:
-        raise ValueError(f"loss {name!r} needs the step's sorted log-ratios (StepStatistic.from_values with values)")
-    if name == "aot":  # smoothed(b (sort(pc - pr) - sort(rc - rr))), matched by the rank of pc - pr
-        return smoothed_sigmoid(beta * ((pc - pr) - partners.aot_reference), eps)
-    if name == "aot_unpaired":  # smoothed(b (sort(c) - sort(r)))
-        chosen_term = smoothed_sigmoid(beta * ((pc - reference.chosen_logps) - partners.unpaired_rejected), eps)
-        rejected_term = smoothed_sigmoid(beta * (partners.unpaired_chosen - (pr - reference.rejected_logps)), eps)
-        both = chosen_term + rejected_term
-        return both - 0.5 * both.detach()  # value (A + B) / 2, gradient of A + B
-    raise ValueError(f"{name!r} is not a batch-coupled loss")

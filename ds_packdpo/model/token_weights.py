@@ -22,12 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError
-
-# TRL 1.16 refuses WPO with the losses that sort the batch (a pair's weight would meet another pair's loss); its
-# ``sft`` with WPO raises in TRL itself (an in-place product on an expanded scalar), so it is refused here too.
-_UNWEIGHTABLE = ("aot", "aot_unpaired", "sft")
-
 
 @dataclass(frozen=True)
 class TokenWeighting:
@@ -40,25 +34,11 @@ class TokenWeighting:
     token_stats: bool = False
 
 
-def check_token_weighting(ld_alpha: float | None, use_weighting: bool, loss_types: tuple[str, ...]) -> None:
-    """One line for a setting TRL 1.16 refuses or cannot run."""
-    if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
-        raise InputError(f"--ld-alpha must be in [0, 1] (the weight of the tokens past the shorter completion's "
-                         f"length), got {ld_alpha}")
-    if "simpo" in loss_types and (ld_alpha is not None or use_weighting):
-        raise InputError("--loss simpo: --ld-alpha and --use-weighting are TRL DPOTrainer settings with no SimPO "
-                         "form; drop them or pick a DPO-family loss")
-    unweighted = [name for name in loss_types if name in _UNWEIGHTABLE]
-    if use_weighting and unweighted:
-        raise InputError(f"--use-weighting with --loss {unweighted[0]}: WPO weights each pair's loss, and "
-                         f"{unweighted[0]} is a statistic of the whole batch (TRL 1.16 refuses or fails on it too)")
-
-
 def length_desensitized_sums(batch, rows: torch.Tensor, seq: torch.Tensor, token_logps: torch.Tensor,
                              alpha: float) -> torch.Tensor:
     """[2P] fp64 LD-DPO log-probs in canonical order (2p chosen, 2p + 1 rejected of local pair p; a row of spread
-    responses: its pair sides in order) from the scored tokens of ``batch`` (a ``ModelBatch`` or a sequence-parallel slice of one): ``rows`` their flat positions,
-    ``seq`` their sequences (responses), ``token_logps`` their log-probs.
+    responses: its pair sides in order) from the scored tokens of ``batch`` (a ``ModelBatch`` or a sequence-parallel
+    slice of one): ``rows`` their flat positions, ``seq`` their sequences (responses), ``token_logps`` their log-probs.
 
     A token's place in its completion is its position id + 1 (it is the label of the position before it) minus
     its sequence's first completion position; the fork of a prefix-shared row (the prompt's last position scoring

@@ -41,7 +41,7 @@ from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
 from ..model.logps import AUTO_CHUNK, SequenceLogps, TokenWeighting, forward_logps
 from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
-from ..model.losses import LossConfig
+from ..model.loss_registry import LossConfig
 from ..model.prefix_attention import PREFIX_FLASH
 from .checkpoint import ResumePoint, check_resume, export_on_end_dir, resolved_save_dir, resumes_in_place
 from .engines import (build_evaluated_policy, build_policy, build_reference, fill_ds_config, load_ds_config, load_model,
@@ -233,7 +233,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
         check_output_dir(cfg)
         shard_size_bytes(cfg.max_shard_size)  # --export-on-end's, refused before any work
     if command == "eval":
-        check_evaluation_models(cfg)
+        check_evaluation_models(cfg, loss_cfg)
     if command != "check":  # check reports packing alone for a backend that cannot share prefixes
         cfg = settle_prefix_sharing(cfg, attn, layout, device_type)
     tokenizer, rows = tokenizer_and_rows(cfg)
@@ -271,12 +271,12 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     return setup
 
 
-def check_evaluation_models(cfg: TrainConfig) -> None:
+def check_evaluation_models(cfg: TrainConfig, loss_cfg: LossConfig) -> None:
     """``eval`` compares a trained policy (--model) with the model it was trained from: without that reference every
     reward would be 0 (SimPO needs none)."""
     if cfg.model is None:
         raise InputError("eval: --model is required (the trained or exported Hugging Face folder to evaluate)")
-    if cfg.ref_model is None and cfg.ref_logps is None and cfg.loss != "simpo":
+    if cfg.ref_model is None and cfg.ref_logps is None and loss_cfg.needs_reference:
         raise InputError("eval: --ref-model (the model the policy was trained from) or --ref-logps is required: with "
                          "--model as its own reference every reward is 0")
 
@@ -375,7 +375,7 @@ def start(setup: RunSetup) -> Run:
         policy = build_evaluated_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
     if setup.precomputed is not None:
         reference = setup.precomputed
-    elif setup.command in EVALUATING_COMMANDS and cfg.loss == "simpo":
+    elif setup.command in EVALUATING_COMMANDS and not setup.loss_cfg.needs_reference:
         reference = None  # reference-free
     elif setup.command in TRAINING_COMMANDS and cfg.lora_r and cfg.ref_model is None:
         reference = AdaptersOff()  # no second model: the base weights are the policy's own, frozen

@@ -31,7 +31,7 @@ from ..model.losses import metric_means, metric_sums, pair_losses
 from .metrics import add_sums, sum_over_ranks
 from .reference import PrecomputedReference, reference_fingerprint
 from .response_exchange import exchanged_pairs, spread_statistic
-from .step_statistics import coupled_losses, slot_index, slots_of, step_statistic
+from .step_statistics import slot_index, slots_of, step_statistic
 
 PREFIX = "eval_"
 
@@ -87,7 +87,7 @@ def evaluate(run, progress: bool = False) -> dict:
             add_sums(sums, {**metric_sums(per_pair, policy), "loss_sum": losses.sum()}, float(layout.rank == 0))
         else:
             statistic, slots = None, slot_index(plan)
-            if coupled_losses(run.setup.loss_cfg):  # sorted / token-averaged over the whole held-out set
+            if run.setup.loss_cfg.batch_coupled:  # sorted / token-averaged over the whole held-out set
                 statistic = step_statistic(plan, batches, policies, references, layout, run.device)
             for batch, policy, reference in zip(batches, policies, references):
                 partners = statistic.partners(slots_of(slots, batch)) if statistic is not None else None

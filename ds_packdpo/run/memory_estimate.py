@@ -89,7 +89,7 @@ def estimate_memory(setup: RunSetup) -> dict:
     optimizer = 0 if offload_optimizer else OPTIMIZER_BYTES_PER_PARAMETER * trainable // world
     states += frozen_weights
     reference = 0
-    if setup.precomputed is None and cfg.loss != "simpo" and not (cfg.lora_r and cfg.ref_model is None):
+    if setup.precomputed is None and setup.loss_cfg.needs_reference and not (cfg.lora_r and cfg.ref_model is None):
         ref_total = total if cfg.ref_model is None else parameter_counts(reference_model_config(
             cfg, setup.vocab_size), cfg.trust_remote_code)[0]
         reference = 0 if cfg.ref_offload else ref_total * element // (world if stage3 else 1)

@@ -35,7 +35,7 @@ from ..data.plan import StepPlan
 from ..model.collate import ModelBatch
 from ..model.coupled_losses import StepStatistic
 from ..model.logps import SequenceLogps
-from .step_statistics import CoupledStep, coupled_losses, needs_policy_prepass
+from .step_statistics import CoupledStep
 
 
 def side_fields(logps: SequenceLogps) -> list[str]:
@@ -136,11 +136,11 @@ def spread_statistic(plan: StepPlan, loss_cfg, policy: SequenceLogps | None,
     """The batch-coupled losses' statistic of a step of spread responses (None when none is trained): every pair's
     sums (``policy``/``reference`` in plan order, when a sorted loss needs them) and the chosen completion tokens,
     from the plan's lengths (what a forward counts)."""
-    if not coupled_losses(loss_cfg):
+    if not loss_cfg.batch_coupled:
         return None
     responses = plan.responses
     values = None
-    if needs_policy_prepass(loss_cfg):
+    if loss_cfg.needs_policy_prepass:
         values = torch.stack([policy.chosen_logps, policy.rejected_logps, reference.chosen_logps,
                               reference.rejected_logps])
     return StepStatistic.from_values(values, plan.num_pairs, float(responses.length[responses.pair_sides[:, 0]].sum()))
@@ -164,7 +164,7 @@ class SpreadStep:
         self.every_reference: SequenceLogps | None = None  # the pre-pass's exchange of the live reference
         self.statistic: StepStatistic | None = None
         policy = reference = None
-        if needs_policy_prepass(setup.loss_cfg):  # every row, dummy rows included (lock-step)
+        if setup.loss_cfg.needs_policy_prepass:  # every row, dummy rows included (lock-step)
             self._references = [self.reference_logps(i) for i in range(len(batches))]
             with torch.no_grad():
                 policies = [run.forward_logps(run.policy, batch) for batch in batches]

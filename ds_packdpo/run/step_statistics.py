@@ -25,20 +25,8 @@ import torch.distributed as dist
 
 from ..data.plan import StepPlan
 from ..model.collate import ModelBatch
-from ..model.coupled_losses import COUPLED_LOSSES, SORTED_LOSSES, VALUES_PER_PAIR, PairPartners, StepStatistic
+from ..model.coupled_losses import VALUES_PER_PAIR, PairPartners, StepStatistic
 from ..model.logps import SequenceLogps, scored_tokens
-from ..model.losses import LossConfig
-
-
-def coupled_losses(loss_cfg: LossConfig) -> tuple[str, ...]:
-    """The batch-coupled losses this run trains (none outside TRL's family path)."""
-    family = loss_cfg.family
-    return tuple(name for name in family.loss_types if name in COUPLED_LOSSES) if family is not None else ()
-
-
-def needs_policy_prepass(loss_cfg: LossConfig) -> bool:
-    """Whether each step runs the no-grad policy pre-pass (a sorted batch-coupled loss is trained)."""
-    return bool(set(coupled_losses(loss_cfg)) & set(SORTED_LOSSES))
 
 
 def chosen_token_counts(batch: ModelBatch) -> torch.Tensor:
@@ -101,11 +89,10 @@ class CoupledStep:
         self.pair_weight = float(run.setup.layout.counts_metrics)  # an sp-rank > 0 holds its group's sums again
         self.statistic: StepStatistic | None = None
         self._references: list[SequenceLogps | None] = [None] * len(batches)
-        names = coupled_losses(run.setup.loss_cfg)
-        if not names:
+        if not run.setup.loss_cfg.batch_coupled:
             return
         policies = None
-        if needs_policy_prepass(run.setup.loss_cfg):  # the no-grad pre-pass: every row, dummy rows included (lock-step)
+        if run.setup.loss_cfg.needs_policy_prepass:  # the no-grad pre-pass: every row, dummy rows included (lock-step)
             self._references = [run.reference_logps(batch) for batch in batches]
             with torch.no_grad():
                 policies = [run.forward_logps(run.policy, batch) for batch in batches]

@@ -11,7 +11,6 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..model.flops import FlopModel, ThroughputMeter
-from .step_statistics import needs_policy_prepass
 
 
 class StepTimer:
@@ -90,4 +89,4 @@ def throughput_meter(run) -> ThroughputMeter:
                            prepared.rejected_lengths, packed=run.setup.cfg.packing,
                            world_size=run.setup.layout.world_size, peak_tflops=run.setup.cfg.peak_tflops,
                            prompt_lengths=prepared.prompt_lengths, prefix_sharing=run.setup.prefix_sharing,
-                           policy_prepass=needs_policy_prepass(run.setup.loss_cfg))
+                           policy_prepass=run.setup.loss_cfg.needs_policy_prepass)
