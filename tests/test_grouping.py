@@ -546,3 +546,17 @@ def test_exchanged_sums_give_every_rank_the_one_rank_loss_and_its_share_of_the_g
         summed = [s + (g if g is not None else 0) for s, g in zip(summed, grads)]
     scale = max(float(w.abs().max()) for w in want)
     assert max(float((s - w).abs().max()) for s, w in zip(summed, want)) <= 1e-5 * scale
+    # a rank whose row is a dummy (more rows than responses) evaluates every pair too, and its loss reaches its own
+    # forward: its backward runs through the model like every rank's (ZeRO-3), with a zero gradient
+    wide = next(iter_plan(chosen, rejected, replace(cfg, dp_size=len(pairs) * 2), 1, prompt_lengths=prompt,
+                          groups=groups))
+    dummy = next(rows[0] for rows in wide.ranks if not rows[0].responses)
+    batch = collate_spread_row(columns, wide.responses, dummy.responses, 0)
+    policy = forward_logps(model, batch, "sdpa_varlen")
+    every = type(policy)(**{name: torch.zeros(2 * wide.num_pairs, dtype=torch.float64)
+                            for name in exchange.side_fields(policy)})
+    losses, _ = pair_losses(exchange.pairs_at(exchange.local_view(every, [(batch, policy)]),
+                                              torch.arange(wide.num_pairs)), None, LossConfig(loss_type="simpo"))
+    assert losses.requires_grad
+    grads = torch.autograd.grad(losses.sum(), list(model.parameters()), allow_unused=True)
+    assert all(g is None or not g.any() for g in grads)

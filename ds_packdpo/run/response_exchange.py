@@ -77,11 +77,14 @@ def exchange_sides(plan: StepPlan, rows: Sequence[tuple[ModelBatch, Sequence[Seq
 
 
 def local_view(every: SequenceLogps, rows: Sequence[tuple[ModelBatch, SequenceLogps]]) -> SequenceLogps:
-    """The exchanged sides with this rank's own put back with their graph (the values are the same)."""
+    """The exchanged sides with this rank's own put back with their graph (the values are the same).  A rank with no
+    side here (a dummy row) gets a zero tied to its forward, so that its backward runs through the model like every
+    other rank's (ZeRO-3 gathers and reduces in that backward on every rank alike)."""
     positions = [batch.side_positions for batch, _ in rows if batch.side_positions is not None
                  and batch.side_positions.numel()]
     if not positions:
-        return every
+        anchor = sum(logps.logps.sum() for _, logps in rows) * 0.0
+        return dataclasses.replace(every, logps=every.logps + anchor)
     where = torch.cat(positions).to(every.logps.device)
     fields = {}
     for f in dataclasses.fields(every):
