@@ -36,23 +36,23 @@ from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
 from .command_settings import NOT_ACTED_ON, refused_epilog
-from .config import FlagParser, TrainConfig, add_arguments, config_from_args, to_dict
+from .config import FlagParser, add_arguments, config_from_args
 from .console import progress_bar, said_already
 from .data.plan import steps_per_epoch
 from .data.run_plan import prompt_groups_of, run_plan
 from .errors import InputError, run_guarded
 from .files import check_output_folder
-from .model.build import tiny_config
 from .precompute_ref import precompute
 from .report import build_report, write_report_folder
-from .run.assemble import RunSetup, prepare, start
+from .model.build import ModelSpec, tiny_config
+from .run.assemble import RunSetup, model_spec, prepare, start
 from .run.engines import model_config
 from .run.process_group import close_process_group, exit_rank
+from .run.reference import precomputed_conflict
 from .run.timing import PeakMemory, StepTimer, throughput_meter
 from .run.trainer import DPOTrainer
 
-# A configuration is a name and the TrainConfig fields it overrides; add one here and it can be
-# measured with --configurations.  "packed" and "padded" give the report's speedup.
+# A configuration is a name and the flags it overrides; add one here and it can be measured with --configurations.  "packed" and "padded" give the report's speedup.
 CONFIGURATIONS: dict[str, dict] = {
     "packed": {"packing": True},  # each pair's prompt once (prefix sharing, the default)
     "packed-no-prefix-sharing": {"packing": True, "prefix_sharing": False},  # packing alone: every prompt twice
@@ -77,7 +77,7 @@ DEFAULT_MEASURED_STEPS = 4
 
 @dataclass
 class BenchSettings:
-    """The bench's own flags (the train flags come from TrainConfig; --max-steps is the measured steps)."""
+    """The bench's own flags (the train flags come from config.py; --max-steps is the measured steps)."""
 
     out: str = "runs/bench"
     # The first configuration of a launch pays one-time costs (allocator growth, first collectives) in its first
@@ -115,38 +115,42 @@ def bench_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> tuple[TrainConfig, BenchSettings]:
+def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> tuple[object, BenchSettings]:
+    """(the training flags, --max-steps defaulting to the measured steps; the bench's own settings)."""
     args = bench_parser(prog).parse_args(argv)
-    cfg = config_from_args(args, aside=NOT_ACTED_ON["bench"])  # refused typed, set aside from a recipe
-    if cfg.max_steps is None:
-        cfg = dataclasses.replace(cfg, max_steps=DEFAULT_MEASURED_STEPS)
+    flags = config_from_args(args, aside=NOT_ACTED_ON["bench"])  # refused typed, set aside from a recipe
+    if flags.max_steps is None:
+        flags = dataclasses.replace(flags, max_steps=DEFAULT_MEASURED_STEPS)
     settings = BenchSettings(out=args.out, bench_warmup_steps=args.bench_warmup_steps,
                              configurations=[n.strip() for n in args.configurations.split(",") if n.strip()],
                              bench_model=args.bench_model)
     settings.validate()
-    reads = [*cfg.local_inputs(), cfg.data_config().cache_path]  # the cache, made by phase one if missing
-    check_output_folder(settings.out, "--out", cfg.overwrite, reads=reads)  # --overwrite replaces the whole folder
-    return cfg, settings
+    reads = [*flags.local_inputs(), flags.data_spec().tokenization.cache_path]  # the cache, made by phase one
+    check_output_folder(settings.out, "--out", flags.overwrite, reads=reads)  # --overwrite replaces the whole folder
+    return flags, settings
 
 
 BENCH_MODEL = dict(hidden_size=256, layers=4, heads=4, kv_heads=2)
 
 
-def bench_model_config(cfg: TrainConfig, settings: BenchSettings, vocab_size: int, folder: Path) -> TrainConfig:
-    """The run config with the bench model's config.json (written once per node) unless a model was given."""
-    if cfg.model is not None or cfg.model_config is not None or not settings.bench_model:
-        return cfg
+def bench_model_config(flags, first: RunSetup, settings: BenchSettings) -> object:
+    """The flags with the bench model's config.json (written once per node) unless a model was given (``first``:
+    the base flags' set-up)."""
+    if flags.model is not None or flags.model_config is not None or not settings.bench_model:
+        return flags
+    folder = bench_model_folder(first)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"bench_model_vocab{vocab_size}.json"
+    path = folder / f"bench_model_vocab{first.vocab_size}.json"
     with FileLock(str(path) + ".lock"):
         if not path.is_file():
-            tiny_config("llama", vocab_size=vocab_size, max_position_embeddings=max(4096, cfg.row_budget),
+            tiny_config("llama", vocab_size=first.vocab_size,
+                        max_position_embeddings=max(4096, first.spec.plan.row_budget),
                         **BENCH_MODEL).to_json_file(str(path))
-    return dataclasses.replace(cfg, model_config=str(path))
+    return dataclasses.replace(flags, model_config=str(path))
 
 
-def bench_model_folder(cfg: TrainConfig) -> Path:
-    return cfg.data_config().cache_path / "bench_models"
+def bench_model_folder(setup: RunSetup) -> Path:
+    return setup.spec.data.tokenization.cache_path / "bench_models"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -156,18 +160,19 @@ def _percentile(values: list[float], q: float) -> float:
 def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict:
     """Runs one configuration (phase one done) on this rank; returns its figures, aggregated over all ranks (the
     same on every rank)."""
-    cfg, layout = setup.cfg, setup.layout
-    with PeakMemory(setup.device_type) as memory:
+    spec = setup.spec
+    layout, measured = spec.layout, spec.plan.max_steps
+    with PeakMemory(spec.device_type) as memory:
         run = start(setup)
         trainer = DPOTrainer(run)
         meter = throughput_meter(run)
         lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
         timer = StepTimer()
         steps = []
-        bar = progress_bar(warmup_steps + cfg.max_steps, f"bench {name}", "step", layout.rank == 0 and cfg.progress)
+        bar = progress_bar(warmup_steps + measured, f"bench {name}", "step", layout.rank == 0 and spec.outputs.progress)
         # Every rank holds the whole plan, so rank 0's records carry every data-parallel share's load.
-        for index, plan in enumerate(run_plan(setup.prepared, setup.plan_cfg, cfg.epochs)):
-            if index >= warmup_steps + cfg.max_steps:
+        for index, plan in enumerate(run_plan(setup.prepared, spec.plan.config, spec.plan.epochs)):
+            if index >= warmup_steps + measured:
                 break
             timer.begin()
             metrics = trainer.train_step(plan)
@@ -186,7 +191,7 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
                 "prompt_copy_tokens": plan.prompt_copy_tokens,
                 "attention_sq": meter.attention_sq(plan), "flops": meter.step_flops(plan),
                 "prepass_flops": meter.prepass_flops(plan),
-                "row_fill": [row.tokens / setup.plan_cfg.max_tokens_per_row for rows in plan.ranks for row in rows
+                "row_fill": [row.tokens / spec.plan.config.max_tokens_per_row for rows in plan.ranks for row in rows
                              if row.pairs],
                 "sequence_lengths": [int(lengths[k][p]) for p in plan.pairs for k in (0, 1)],
             })
@@ -224,9 +229,9 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
     return {
         "name": name,
         "overrides": overrides,
-        "attn": setup.attn,
-        "packing": setup.cfg.packing,
-        "sequence_parallel_size": setup.layout.sp_size,
+        "attn": setup.spec.attention.backend,
+        "packing": setup.spec.row_layout.packed,
+        "sequence_parallel_size": setup.spec.layout.sp_size,
         "measured_steps": len(steps),
         "tokens_per_s": real / total_time,
         "pairs_per_s": pairs / total_time,
@@ -242,7 +247,7 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
         "rank_load_max_over_mean_mean": sum(balance) / len(balance),
         "rows_per_rank_mean": sum(s["rows_per_rank"] for s in steps) / len(steps),
         "lockstep_utilization": (sum(sum(s["rank_computed_tokens"]) for s in steps)
-                                 / (setup.layout.dp_size * sum(s["lockstep_tokens"] for s in steps))),
+                                 / (setup.spec.layout.dp_size * sum(s["lockstep_tokens"] for s in steps))),
         "prompt_copy_tokens": sum(s["prompt_copy_tokens"] for s in steps),
         "peak_mem_mb": max(peaks) / 2**20,
         "peak_mem_mb_per_rank": [p / 2**20 for p in peaks],
@@ -264,9 +269,10 @@ def environment(device_type: str) -> dict:
             "hostname": platform.node(), "torch_threads": torch.get_num_threads()}
 
 
-def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
-    hf = model_config(cfg, vocab_size)
-    return {"source": cfg.model or cfg.model_config or "tiny", "architecture": (hf.architectures or [hf.model_type])[0],
+def model_summary(model: ModelSpec, setup: RunSetup) -> dict:
+    """The measured model's shape (``setup``: a set-up of the bench's data, for its tokenizer)."""
+    hf = model_config(model, setup.vocab_size, own_tokenizer=setup.spec.data.tokenizer is None)
+    return {"source": model.name, "architecture": (hf.architectures or [hf.model_type])[0],
             "hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads,
             "num_kv_heads": getattr(hf, "num_key_value_heads", hf.num_attention_heads),
             "intermediate_size": getattr(hf, "intermediate_size", None), "vocab_size": hf.vocab_size}
@@ -274,78 +280,79 @@ def model_summary(cfg: TrainConfig, vocab_size: int) -> dict:
 
 def check_enough_steps(setup: RunSetup, warmup_steps: int) -> None:
     lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
-    cfg = setup.cfg
-    available = sum(steps_per_epoch(*lengths, setup.plan_cfg, epoch=e, groups=prompt_groups_of(setup.prepared))
-                    for e in range(cfg.epochs))
-    if available < warmup_steps + cfg.max_steps:
-        raise InputError(f"--max-steps {cfg.max_steps} + --bench-warmup-steps {warmup_steps}: the data holds only "
-                         f"{available} steps of {setup.plan_cfg.global_batch_pairs or '--tokens-per-step'} pairs "
+    plan = setup.spec.plan
+    available = sum(steps_per_epoch(*lengths, plan.config, epoch=e, groups=prompt_groups_of(setup.prepared))
+                    for e in range(plan.epochs))
+    if available < warmup_steps + plan.max_steps:
+        raise InputError(f"--max-steps {plan.max_steps} + --bench-warmup-steps {warmup_steps}: the data holds only "
+                         f"{available} steps of {plan.config.global_batch_pairs or '--tokens-per-step'} pairs "
                          f"(use fewer steps, more --epochs or a smaller batch)")
 
 
-def configuration_config(cfg: TrainConfig, name: str) -> TrainConfig:
-    """The run settings of one configuration (the precomputed reference's file stands in as its path)."""
+def configuration_flags(flags, name: str, first: RunSetup):
+    """The flags of one configuration (the precomputed reference's file stands in as its path)."""
     overrides = dict(CONFIGURATIONS[name])
     if overrides.get("ref_logps") == PRECOMPUTED:
-        overrides["ref_logps"] = str(precomputed_reference_path(cfg))
-    return dataclasses.replace(cfg, **overrides, overwrite=True)
+        overrides["ref_logps"] = str(precomputed_reference_path(first))
+    return dataclasses.replace(flags, **overrides, overwrite=True)
 
 
-def precomputed_reference_path(cfg: TrainConfig) -> Path:
+def precomputed_reference_path(setup: RunSetup) -> Path:
     """Where precompute-ref writes the bench's reference file (shared by the nodes of a multi-node bench, as for
     ``train --ref-logps``)."""
-    return bench_model_folder(cfg) / "reference_logps.jsonl"
+    return bench_model_folder(setup) / "reference_logps.jsonl"
 
 
 @dataclass
 class BenchPlan:
-    """Phase one of a bench: the settings with the measured model, and each configuration's checked set-up."""
+    """Phase one of a bench: the flags with the measured model, and each configuration's checked set-up."""
 
-    cfg: TrainConfig
-    first: RunSetup  # the base settings' set-up: layout, tokenizer, device for the report
+    flags: object  # the bench's flags (config.py), with the bench model's config when it measures one
+    first: RunSetup  # the base flags' set-up: layout, tokenizer, device for the report
     setups: dict[str, RunSetup | None]  # None: the precomputed-reference configuration, prepared once its file exists
 
 
-def check_configurations(cfg: TrainConfig, settings: BenchSettings, world_size: int | None = None) -> BenchPlan:
+def check_configurations(flags, settings: BenchSettings, world_size: int | None = None) -> BenchPlan:
     """Phase one of the bench: every configuration checked with the model it will measure, before any process group
     (a configuration the layout cannot run is refused here, not after the others were measured)."""
-    first = prepare(cfg, "bench", world_size)
+    first = prepare(flags, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
-    # first.cfg: the settings as they run (--dtype auto resolved), which the report names
-    cfg = bench_model_config(first.cfg, settings, first.vocab_size, bench_model_folder(cfg))
+    flags = bench_model_config(flags, first, settings)
     setups = {}
     for name in settings.configurations:
         if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:  # its file does not exist yet
-            if cfg.ref_logps_conflict():  # else it would measure the run without it, under its name
-                raise InputError(f"--configurations {name}: {cfg.ref_logps_conflict()}")
+            conflict = precomputed_conflict(first.spec.loss, first.spec.reference.offload)
+            if conflict:  # else it would measure the run without it, under its name
+                raise InputError(f"--configurations {name}: {conflict}")
             setups[name] = None
             continue
         try:
             with said_already():  # the first set-up's data warnings, not once more per configuration
-                setups[name] = prepare(configuration_config(cfg, name), "bench", world_size)
+                setups[name] = prepare(configuration_flags(flags, name, first), "bench", world_size)
         except InputError as error:
             raise InputError(f"--configurations {name}: {error}") from None
-    return BenchPlan(cfg, first, setups)
+    return BenchPlan(flags, first, setups)
 
 
-def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dict | None:
+def run_bench(flags, settings: BenchSettings, argv: list[str]) -> dict | None:
     """The whole bench on this rank; rank 0 writes the report folder after each configuration (a bench that ends
     early, out of memory in its padded configuration say, keeps the figures it measured) and returns the report."""
-    plan = check_configurations(cfg, settings)
-    cfg, first = plan.cfg, plan.first
+    plan = check_configurations(flags, settings)
+    flags, first = plan.flags, plan.first
+    rank = first.spec.layout.rank
     names = list(plan.setups)
     runs, report = {}, None
     for number, (name, setup) in enumerate(plan.setups.items()):
-        if first.layout.rank == 0:
+        if rank == 0:
             print(f"bench: measuring {name} ({number + 1} of {len(names)})", flush=True)  # a log says which one died
         if setup is None:
             with said_already():  # the same data as the first set-up's
-                precompute(dataclasses.replace(cfg, overwrite=True), str(precomputed_reference_path(cfg)))  # untimed
-                setup = prepare(configuration_config(cfg, name), "bench")
+                precompute(dataclasses.replace(flags, overwrite=True), str(precomputed_reference_path(first)))
+                setup = prepare(configuration_flags(flags, name, first), "bench")  # (precompute-ref untimed)
         runs[name] = measure_configuration(name, setup, settings.bench_warmup_steps)
-        if first.layout.rank == 0:
+        if rank == 0:
             report = write_bench_report(plan, settings, argv, runs, unmeasured=names[number + 1:],
-                                        overwrite=cfg.overwrite or number > 0)
+                                        overwrite=first.spec.outputs.overwrite or number > 0)
     if report is not None:
         print(json.dumps({k: report[k] for k in ("speedup", "ideal_speedup", "speedup_over_ideal",
                                                  "prefix_sharing_speedup", "prefix_sharing_ideal_speedup",
@@ -356,13 +363,16 @@ def run_bench(cfg: TrainConfig, settings: BenchSettings, argv: list[str]) -> dic
 def write_bench_report(plan: BenchPlan, settings: BenchSettings, argv: list[str], runs: dict, unmeasured: list[str],
                        overwrite: bool) -> dict:
     """The report of the configurations measured so far, written atomically over the previous one (rank 0)."""
-    cfg, first = plan.cfg, plan.first
+    first = plan.first
+    spec = first.spec
+    model = model_spec(plan.flags, spec.model.dtype)  # the measured model (the bench model's config unless given)
     report = build_report(
         command=shlex.join([sys.executable, "-m", "ds_packdpo.bench", *argv]),
-        layout=first.layout.as_dict(), dataset=cfg.dataset or "synthetic",
-        model=model_summary(cfg, first.vocab_size), environment=environment(first.device_type),
-        settings={**to_dict(cfg), "bench_warmup_steps": settings.bench_warmup_steps,
-                  "configurations": settings.configurations, "row_budget": cfg.row_budget},
+        layout=spec.layout.as_dict(), dataset=spec.data.tokenization.dataset,
+        model=model_summary(model, first), environment=environment(spec.device_type),
+        settings={**spec.settings, "model_config": model.config,
+                  "bench_warmup_steps": settings.bench_warmup_steps,
+                  "configurations": settings.configurations, "row_budget": spec.plan.row_budget},
         runs=dict(runs), unmeasured=tuple(unmeasured))
     write_report_folder(report, Path(settings.out), overwrite=overwrite)
     return report

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import LARGEST_COUNT, TrainConfig
+from .config import LARGEST_COUNT
 from .errors import InputError
 from .model.attention import sliding_window_of
 from .model.guard import guard_pairs, packing_exactness
@@ -20,22 +20,24 @@ from .model.lora import hf_model
 from .run.assemble import model_alone, prepare
 
 
-def run_check(cfg: TrainConfig, pairs: int = 4) -> dict:
-    """The exactness report for the model of ``cfg``; the caller exits non-zero unless ok.  ``prefix_sharing`` holds the
-    same comparison for prefix-shared rows when the backend runs them (else null)."""
+def run_check(flags, pairs: int = 4) -> dict:
+    """The exactness report for the model of ``flags``; the caller exits non-zero unless ok.  ``prefix_sharing``
+    holds the same comparison for prefix-shared rows when the backend runs them (else null)."""
     if not 1 <= pairs <= LARGEST_COUNT:
         raise InputError(f"--pairs must be in [1, {LARGEST_COUNT}], got {pairs}")
-    requested = cfg.attn
-    cfg = dataclasses.replace(cfg, max_pairs=min(pairs, cfg.max_pairs or pairs))
-    setup = prepare(cfg, "check")
+    requested = flags.attn
+    setup = prepare(dataclasses.replace(flags, max_pairs=min(pairs, flags.max_pairs or pairs)), "check")
+    spec = setup.spec
     columns = setup.prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).to_list()
     model = model_alone(setup)
     beyond_window = guard_pairs(model, setup.vocab_size) if sliding_window_of(hf_model(model).config) else []
     checked = columns + beyond_window
-    result = packing_exactness(model, checked, setup.model_attn, setup.pad_token_id)
-    shared = (packing_exactness(model, checked, setup.model_attn, setup.pad_token_id, shared_prefix=True)
-              if setup.prefix_sharing else None)
-    return {"model": cfg.model or cfg.model_config or "tiny", "requested_attn": requested,
-            "dataset": cfg.dataset or "synthetic", **result, "attn": setup.attn, "data_pairs": len(columns),
+    attn = spec.attention.model_attn
+    result = packing_exactness(model, checked, attn, setup.pad_token_id)
+    shared = (packing_exactness(model, checked, attn, setup.pad_token_id, shared_prefix=True)
+              if spec.row_layout.shares_prefixes else None)
+    return {"model": spec.model.name, "requested_attn": requested,
+            "dataset": spec.data.tokenization.dataset, **result, "attn": spec.attention.backend,
+            "data_pairs": len(columns),
             "beyond_window_pairs": len(beyond_window), "prefix_sharing": shared,
             "ok": result["ok"] and (shared is None or shared["ok"])}

@@ -115,11 +115,12 @@ def cmd_prepare(argv: list[str]) -> int:
         cfg = config_from_args(args)
         if args.out:
             check_output_file(args.out, "--out", overwrite=cfg.overwrite, reads=cfg.local_inputs())
-        tokenizer, rows = tokenizer_and_rows(cfg)
+        data = cfg.data_spec()
+        tokenizer, rows = tokenizer_and_rows(data)
         if args.out:
-            summary = run_prepare(cfg.data_config(), tokenizer, args.out, rows=rows)
+            summary = run_prepare(data.tokenization, tokenizer, args.out, rows=rows)
         else:
-            prepared = prepare_pairs(cfg.data_config(), tokenizer, rows=rows)
+            prepared = prepare_pairs(data.tokenization, tokenizer, rows=rows)
             summary = {**prepared.summary, "fingerprint": prepared.fingerprint}
         print(json.dumps(summary, indent=2))
         return 0
@@ -147,15 +148,17 @@ def cmd_pack_stats(argv: list[str]) -> int:
             # the plan is derived data, replaced without --overwrite; the data it is derived from is not
             check_output_file(args.plan_out, "--plan-out", overwrite=True, reads=cfg.local_inputs())
         layout = ParallelLayout(world_size=args.world_size, sp_size=cfg.sequence_parallel_size)
-        tokenizer, rows = tokenizer_and_rows(cfg)
-        prepared, _ = split_held_out(cfg, tokenizer, prepare_run_data(cfg, tokenizer, rows))  # what trains
-        plan_cfg = checked_plan_config(cfg, layout, prepared)
-        stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=cfg.epochs,
+        data = cfg.data_spec()
+        evaluation, plan = cfg.evaluation_spec(data.tokenization), cfg.plan_spec(layout, cfg.row_layout)
+        tokenizer, rows = tokenizer_and_rows(data)
+        prepared, _ = split_held_out(evaluation, tokenizer, prepare_run_data(data.tokenization, tokenizer, rows))
+        plan_cfg = checked_plan_config(plan, layout.sp_size, prepared)  # what trains
+        stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=plan.epochs,
                            prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
         if args.plan_out:
-            write_plan_jsonl(run_plan(prepared, plan_cfg, cfg.epochs), args.plan_out,
+            write_plan_jsonl(run_plan(prepared, plan_cfg, plan.epochs), args.plan_out,
                              pair_ids=prepared.dataset["pair_id"])
-        print(json.dumps({"dataset": cfg.dataset or "synthetic", "layout": layout.as_dict(), **stats,
+        print(json.dumps({"dataset": data.tokenization.dataset, "layout": layout.as_dict(), **stats,
                           "data": {k: prepared.summary[k] for k in ("rows", "kept", "dropped")}}, indent=2))
         return 0
 
@@ -183,9 +186,9 @@ def cmd_check(argv: list[str]) -> int:
 
 
 def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list[str]], int],
-                         validate: Callable[[list[str], int], TrainConfig]) -> int:
-    """Under a launcher: one rank (``rank_main``).  Outside one: validate (which returns the settings), then start
-    the launcher on ``module``."""
+                         validate: Callable[[list[str], int], tuple[TrainConfig, object]]) -> int:
+    """Under a launcher: one rank (``rank_main``).  Outside one: validate (which returns the flags and the run's
+    settings, an assemble.RunSpec), then start the launcher on ``module``."""
     if any(os.environ.get(k) for k in LAUNCHED_ENV):
         return rank_main(argv)
     launch, rest, procs = _launch_options(argv)
@@ -201,11 +204,9 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
     code = run_guarded(check)
     if code:
         return code
-    from .run.checkpoint import resolved_save_dir  # torch: phase one has imported it already
-
-    cfg = validated[0]
-    return _launch(rest, procs, launch.master_port, module, verbose=cfg.verbose, grace_s=cfg.stop_grace_s,
-                   save_dir=resolved_save_dir(cfg))
+    flags, spec = validated[0]
+    return _launch(rest, procs, launch.master_port, module, verbose=spec.outputs.verbose, grace_s=flags.stop_grace_s,
+                   save_dir=spec.checkpoint.save_dir)
 
 
 def _launch_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
@@ -255,14 +256,15 @@ def _cpu_unless_cuda() -> None:
 
 
 def _phase_one(command: str, parse: Callable[..., TrainConfig] = parse_train_args
-               ) -> Callable[[list[str], int], TrainConfig]:
+               ) -> Callable[[list[str], int], tuple[TrainConfig, object]]:
     """The rank's phase one of ``command`` (settings, DeepSpeed config, output folder, data, plan, resume point,
     reference file), run in the front process; its tokenization fills the cache the ranks then read."""
 
-    def validate(argv: list[str], procs: int) -> TrainConfig:
+    def validate(argv: list[str], procs: int) -> tuple[TrainConfig, object]:
         from .run.assemble import prepare
 
-        return prepare(parse(argv, prog=f"ds-packdpo {command}"), command, world_size=procs).cfg
+        flags = parse(argv, prog=f"ds-packdpo {command}")
+        return flags, prepare(flags, command, world_size=procs).spec
 
     return validate
 
@@ -298,10 +300,10 @@ def cmd_precompute_ref(argv: list[str]) -> int:
     from .precompute_ref import main as rank_main
     from .precompute_ref import parse_args, precompute_setup
 
-    def validate(rest: list[str], procs: int) -> TrainConfig:
+    def validate(rest: list[str], procs: int) -> tuple[TrainConfig, object]:
         cfg, out = parse_args(rest)
-        precompute_setup(cfg, out, world_size=procs)
-        return cfg
+        _, setup = precompute_setup(cfg, out, world_size=procs)
+        return cfg, setup.spec
 
     return _distributed_command(argv, "ds_packdpo.precompute_ref", rank_main, validate)
 
@@ -371,10 +373,9 @@ def cmd_bench(argv: list[str]) -> int:
     from .bench import check_configurations, parse_bench_args
     from .bench import main as rank_main
 
-    def validate(rest: list[str], procs: int) -> TrainConfig:
+    def validate(rest: list[str], procs: int) -> tuple[TrainConfig, object]:
         cfg, settings = parse_bench_args(rest)
-        check_configurations(cfg, settings, world_size=procs)
-        return cfg
+        return cfg, check_configurations(cfg, settings, world_size=procs).first.spec
 
     return _distributed_command(argv, "ds_packdpo.bench", rank_main, validate)
 

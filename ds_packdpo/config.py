@@ -1,10 +1,15 @@
-"""Run settings: one dataclass, one place that turns it into command-line flags.
+"""The flags: one flat dataclass of everything users type, one place that turns it into command-line flags.
 
 Every setting is a field of :class:`TrainConfig`; its metadata carries the help
-text, so the argparse parser, the JSON config file (``--config FILE``) and the
-documentation of the flags can never drift apart.  Validation that needs no
-model, no data and no process group happens here, so an impossible
-configuration fails in milliseconds with one line naming the key.
+text, so the argparse parser, the JSON or YAML config file (``--config FILE``) and the
+documentation of the flags can never drift apart.  What is judged on the flags as typed
+happens here, in every command, in milliseconds: each value's type, choice and range
+(:data:`RANGES`), a setting written without the flag that turns it on, the folders a run
+makes.  The flags are then resolved once, by ``run/assemble.py``, into the run's settings
+(``assemble.RunSpec``), a tree of sections each defined beside the component that owns
+it and checking how its own values fit together; the sections of the data floor and the
+loss's, which the commands without a model (prepare, pack-stats) read or check too, are
+built here.
 """
 
 from __future__ import annotations
@@ -15,23 +20,21 @@ import difflib
 import functools
 import json
 import math
-import os
 import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data.plan import PlanConfig
+from .data.heldout import EvalSpec
+from .data.plan import PlanConfig, RowLayout
 from .data.multi_response import PAIRS_FROM
 from .data.prepare import FORMATS, DataConfig
+from .data.run_plan import PlanSpec
 from .console import say_warning
 from .errors import InputError
 from .files import check_creatable_folder, check_not_an_input
-from .hub import check_bare_name, check_model_source, is_hub_id
 
 DTYPES = ("auto", "fp32", "bf16")
-# --report-to's names -> the DeepSpeed config's monitor sections
-MONITORS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": "csv_monitor", "comet": "comet"}
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 LARGEST_COUNT = 2**31 - 1  # token counts, steps and sizes end in int32 tensors and indices
 LARGEST_SEED = 2**32 - 1  # numpy's seeds
@@ -40,6 +43,52 @@ LARGEST_SEED = 2**32 - 1  # numpy's seeds
 def _opt(help_text: str, default=None, choices=None, **meta):
     return field(default=default, metadata={"help": help_text, "choices": choices, **meta})
 
+
+DEFAULT_GLOBAL_BATCH_PAIRS = 64  # pairs per step when neither --global-batch-pairs nor --tokens-per-step is given
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag takes: from ``low`` (``low_open``: excluded) up to ``high`` (None: no bound;
+    ``high_open``: excluded); ``note`` follows the bounds in the refusal."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+
+    def holds(self, value) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}{self.note}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}{self.note}"
+
+
+AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
+FRACTION = Range(0, 1, high_open=True)  # [0, 1)
+# Each numeric flag's values: a value outside is refused in every command, before any work (its consumer would fail,
+# or do nothing sensible).  The loss's settings are the loss registry's (model/loss_registry.py: LossConfig.validate);
+# flags not named take any finite value up to LARGEST_COUNT.
+RANGES: dict[str, Range] = {
+    **dict.fromkeys(("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight"),
+                    AT_LEAST_0),
+    **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc",
+                     "sequence_parallel_size", "logging_steps", "max_tokens_per_row", "global_batch_pairs",
+                     "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs", "eval_steps", "eval_max_pairs",
+                     "save_steps", "save_total_limit", "max_bad_steps", "ref_model_sync_steps"), AT_LEAST_1),
+    **dict.fromkeys(("peak_tflops", "collective_timeout_s", "lora_alpha"), ABOVE_0),
+    **dict.fromkeys(("adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "lora_dropout"), FRACTION),
+    "seed": Range(0, LARGEST_SEED, note=" (numpy's seeds)"),
+    "stop_grace_s": Range(0, low_open=True, note=" seconds"),
+    "lora_r": Range(0, note=" (0: full fine-tuning)"),
+    "ref_model_mixup_alpha": Range(0, 1),
+    "eval_fraction": Range(0, 1, low_open=True, high_open=True),
+}
 
 @dataclass
 class TrainConfig:
@@ -238,47 +287,47 @@ class TrainConfig:
     from_file: frozenset = field(default=frozenset(), repr=False, compare=False, metadata={"flag": False})
 
     # ------------------------------------------------------------------
-    @property
-    def row_budget(self) -> int:
-        """--max-tokens-per-row, or auto (None): the tokens of one padded micro-batch at --max-length.  Under
-        ZeRO-3 every forward all-gathers every layer, so a packed row smaller than a padded micro-batch costs
-        forwards that padding would not run (seen: 0.6x padded tokens/s at 2 x max-length)."""
-        if self.max_tokens_per_row is not None:
-            return self.max_tokens_per_row
-        return max(2 * self.max_length, 2 * self.micro_batch_pairs * self.max_length)
+    def is_given(self, name: str) -> bool:
+        """Whether the user wrote setting ``name`` (a field name) rather than leaving it at its default."""
+        return name in self.given
+
+    def local_inputs(self) -> list[str]:
+        """The files and folders on this machine that the run reads: an output written over one would lose it."""
+        paths = (self.dataset, self.eval_dataset, self.model, self.model_config, self.ref_model, self.ref_logps,
+                 self.tokenizer, self.config, self.ds_config)
+        return [path for path in paths if path and Path(path).expanduser().exists()]
 
     @property
-    def shares_prefixes(self) -> bool:
-        """Rows lay out each pair with its prompt once (packed runs with prefix sharing on)."""
-        return self.packing and self.prefix_sharing
+    def row_layout(self) -> RowLayout:
+        """The row layout the flags ask for (phase one may give way to what the attention backend runs)."""
+        return RowLayout.of(self.packing, self.prefix_sharing, self.prompt_groups)
 
-    @property
-    def batch_pairs(self) -> int | None:
-        if self.global_batch_pairs is None and self.tokens_per_step is None:
-            return 64
-        return self.global_batch_pairs
+    # The sections that the commands without a model (prepare, pack-stats) read or check too: the data floor's and
+    # the loss's; the run's other sections are resolved by run/assemble.py.
+    def data_spec(self):
+        """What the run reads: its dataset (the embedded synthetic set when none), tokenized how, and its
+        tokenizer."""
+        # Deferred import: data.source brings transformers (the tokenizers), which report, export and
+        # verify-checkpoint never need.
+        from .data.source import DataSpec
 
-    @property
-    def logps_chunk(self) -> int | str:
-        """--logps-chunk-tokens as the log-prob stage takes it: a number of tokens, or "auto"."""
-        return self.logps_chunk_tokens if self.logps_chunk_tokens == "auto" else int(self.logps_chunk_tokens)
+        tokenization = DataConfig(
+            dataset=self.dataset or "synthetic", split=self.split, format=self.format,
+            prompt_column=self.prompt_column, chosen_column=self.chosen_column, rejected_column=self.rejected_column,
+            conversations_column=self.conversations_column, max_length=self.max_length,
+            max_prompt_length=self.max_prompt_length, on_bad_row=self.on_bad_row, num_proc=self.num_proc,
+            cache_dir=self.cache_dir, max_pairs=self.max_pairs, pairs_from=self.pairs_from, progress=self.progress)
+        return DataSpec(tokenization, synthetic_pairs=self.synthetic_pairs if self.dataset is None else None,
+                        tokenizer=self.tokenizer, model=self.model, revision=self.revision,
+                        trust_remote_code=self.trust_remote_code)
 
-    def data_config(self) -> DataConfig:
-        """The data stage's settings (the embedded synthetic dataset is labelled 'synthetic')."""
-        return DataConfig.from_settings(self, dataset=self.dataset or "synthetic")
-
-    def plan_config(self, layout) -> PlanConfig:
-        """The plan of this run laid out as ``layout`` (a run.layout.ParallelLayout).
-
-        The plan deals every step over the data-parallel shares; under sequence
-        parallelism a row is shared by the ``sp_size`` ranks of a group, so it holds
-        ``sp_size`` x the per-rank budget.
-        """
-        return PlanConfig(max_tokens_per_row=self.row_budget * layout.sp_size, dp_size=layout.dp_size,
-                          seed=self.seed, global_batch_pairs=self.batch_pairs, tokens_per_step=self.tokens_per_step,
-                          drop_last=self.drop_last, attention_weight=self.attention_weight, packing=self.packing,
-                          micro_batch_pairs=self.micro_batch_pairs, prefix_sharing=self.shares_prefixes,
-                          prompt_groups=self.shares_prefixes and self.prompt_groups)
+    def evaluation_spec(self, tokenization: DataConfig) -> EvalSpec:
+        """The held-out evaluation: a fraction of --dataset or --eval-dataset (tokenized like ``tokenization``),
+        how many of its pairs, how often."""
+        dataset = None
+        if self.eval_dataset is not None:
+            dataset = dataclasses.replace(tokenization, dataset=self.eval_dataset, max_pairs=self.eval_max_pairs)
+        return EvalSpec(self.eval_fraction, dataset, self.eval_max_pairs, self.eval_steps)
 
     def loss_config(self, together: bool = True):
         """The loss settings (model.loss_registry.LossConfig), validated: every rule about a loss is there (not
@@ -298,194 +347,68 @@ class TrainConfig:
         loss.validate(together)
         return loss
 
-    @property
-    def monitors(self) -> list[str]:
-        """--report-to as a list (in the order given, each once)."""
-        names = [name.strip() for name in (self.report_to or "").split(",") if name.strip()]
-        return list(dict.fromkeys(names))
+    def plan_spec(self, layout, row_layout: RowLayout) -> PlanSpec:
+        """The plan of this run laid out as ``layout`` (a run.layout.ParallelLayout), its rows in ``row_layout``.
 
-    @property
-    def resolved_run_name(self) -> str:
-        return self.run_name or Path(self.output_dir).resolve().name
-
-    @property
-    def resolved_metrics_out(self) -> str:
-        return self.metrics_out or os.path.join(self.output_dir, "metrics.jsonl")
-
-    def local_inputs(self) -> list[str]:
-        """The files and folders on this machine that the run reads: an output written over one would lose it."""
-        paths = (self.dataset, self.eval_dataset, self.model, self.model_config, self.ref_model, self.ref_logps,
-                 self.tokenizer, self.config, self.ds_config)
-        return [path for path in paths if path and Path(path).expanduser().exists()]
-
-    def is_given(self, name: str) -> bool:
-        """Whether the user wrote setting ``name`` (a field name) rather than leaving it at its default."""
-        return name in self.given
+        The row budget is --max-tokens-per-row, or auto: the tokens of one padded micro-batch at --max-length.
+        Under ZeRO-3 every forward all-gathers every layer, so a packed row smaller than a padded micro-batch
+        costs forwards that padding would not run (seen: 0.6x padded tokens/s at 2 x max-length).  The plan
+        deals every step over the data-parallel shares; under sequence parallelism a row is shared by the
+        ``sp_size`` ranks of a group, so it holds ``sp_size`` x the per-rank budget.
+        """
+        budget = self.max_tokens_per_row or max(2 * self.max_length, 2 * self.micro_batch_pairs * self.max_length)
+        by_pairs = self.global_batch_pairs
+        if self.global_batch_pairs is None and self.tokens_per_step is None:
+            by_pairs = DEFAULT_GLOBAL_BATCH_PAIRS
+        config = PlanConfig(max_tokens_per_row=budget * layout.sp_size, dp_size=layout.dp_size, seed=self.seed,
+                            global_batch_pairs=by_pairs, tokens_per_step=self.tokens_per_step,
+                            drop_last=self.drop_last, attention_weight=self.attention_weight, layout=row_layout,
+                            micro_batch_pairs=self.micro_batch_pairs)
+        return PlanSpec(config, row_budget=budget, epochs=self.epochs, max_steps=self.max_steps)
 
     def validate(self, unused: frozenset[str] = frozenset()) -> None:
-        """Checks that need nothing but the settings themselves (``unused``: those the command sets aside)."""
+        """The flags as typed, in every command: each value's type, choice and range (:data:`RANGES`), a setting
+        written without the flag that turns it on, and the folders a run makes (``unused``: settings the command
+        sets aside).  How the values of one part of the run fit together is that part's own check (each section of
+        the run's settings, built by run/assemble.py)."""
         for f in flag_fields(type(self)):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise InputError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
             value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise InputError(f"--{flag(f.name)}: {value!r} is not one of {', '.join(choices)}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise InputError(f"--{flag(f.name)} must be a finite number, got {value}")
             if isinstance(value, int) and not isinstance(value, bool) and value > LARGEST_COUNT and f.name != "seed":
                 raise InputError(f"--{flag(f.name)} must be at most {LARGEST_COUNT}, got {value}")
-        if not 0 <= self.seed <= LARGEST_SEED:
-            raise InputError(f"--seed must be in [0, {LARGEST_SEED}] (numpy's seeds), got {self.seed}")
+            if value is not None and f.name in RANGES and not RANGES[f.name].holds(value):
+                raise InputError(f"--{flag(f.name)} must be {RANGES[f.name]}, got {value}")
+        if self.lr <= 0:  # (--beta > 0 is the loss settings' rule, checked below)
+            raise InputError(f"--lr and --beta must be > 0, got lr={self.lr} beta={self.beta}")
         self.loss_config(together=False)
-        for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight"):
-            if getattr(self, key) < 0:
-                raise InputError(f"--{flag(key)} must be >= 0, got {getattr(self, key)}")
-        positive = ["max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc", "sequence_parallel_size",
-                    "logging_steps"]
-        for key in positive:
-            if getattr(self, key) < 1:
-                raise InputError(f"--{flag(key)} must be >= 1, got {getattr(self, key)}")
         if self.logps_chunk_tokens != "auto" and not (self.logps_chunk_tokens.isdigit() and int(self.logps_chunk_tokens)):
             raise InputError(f"--logps-chunk-tokens must be 'auto' or a number >= 1, got {self.logps_chunk_tokens!r}")
-        for key in ["max_tokens_per_row", "global_batch_pairs", "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs",
-                    "eval_steps", "eval_max_pairs"]:
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise InputError(f"--{flag(key)} must be >= 1, got {value}")
         if self.global_batch_pairs is not None and self.tokens_per_step is not None:
             raise InputError("--global-batch-pairs and --tokens-per-step are exclusive; give one")
-        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
-            raise InputError(f"--max-prompt-length ({self.max_prompt_length}) must be below --max-length ({self.max_length})")
-        for key in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                raise InputError(f"--{flag(key)} must be in [0, 1), got {getattr(self, key)}")
-        if self.lr <= 0:  # (--beta > 0 is the loss settings' rule, checked above)
-            raise InputError(f"--lr and --beta must be > 0, got lr={self.lr} beta={self.beta}")
-        if self.peak_tflops is not None and self.peak_tflops <= 0:
-            raise InputError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
-        if not 0 < self.stop_grace_s < math.inf:
-            raise InputError(f"--stop-grace-s must be > 0 seconds, got {self.stop_grace_s}")
-        if self.collective_timeout_s <= 0:
-            raise InputError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
+        self._refuse_unused("lora_r", ("lora_alpha", "lora_dropout", "lora_target_modules"),
+                            "without --lora-r: LoRA is off (give --lora-r R > 0)")
+        self._refuse_unused("sync_ref_model", ("ref_model_mixup_alpha", "ref_model_sync_steps"),
+                            "without --sync-ref-model has no effect (add --sync-ref-model)")
         for key in ("output_dir", "save_dir", "cache_dir"):  # folders the ranks make: the OS must let them
             if getattr(self, key) and key not in unused:  # eval's default runs/train is never made
                 check_creatable_folder(getattr(self, key), f"--{flag(key)}")
         if self.metrics_out:
             check_not_an_input(self.metrics_out, "--metrics-out", self.local_inputs())
             check_creatable_folder(Path(self.metrics_out).parent, "--metrics-out")
-        if self.model is not None and self.model_config is not None:
-            raise InputError("--model and --model-config are exclusive: load a folder or build from a config")
-        for key in ("model", "ref_model"):
-            if getattr(self, key) is not None:
-                check_model_source(getattr(self, key), f"--{flag(key)}")
-        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
-            if not is_hub_id(self.tokenizer):
-                raise InputError(f"--tokenizer {self.tokenizer}: no such folder, and not a hub id")
-            check_bare_name(self.tokenizer, "--tokenizer", "tokenizer_config.json")
-        if self.revision is not None and (self.model is None or not is_hub_id(self.model)):
-            raise InputError(f"--revision {self.revision}: names a revision of a hub --model, and --model "
-                             f"{self.model or '(none)'} is not a hub id")
-        for key in ("save_steps", "save_total_limit"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise InputError(f"--{flag(key)} must be >= 1, got {value}")
-        self._validate_scale_settings()
-        unknown = sorted(set(self.monitors) - set(MONITORS))
-        if unknown:
-            raise InputError(f"--report-to: {', '.join(unknown)} is not one of {', '.join(MONITORS)}")
-        if self.max_bad_steps < 1:
-            raise InputError(f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
-        if self.save_total_limit is not None and not self.save_steps:
-            raise InputError("--save-total-limit needs --save-steps (nothing is saved without it)")
-        if self.allow_new_layout and self.resume is None:
-            raise InputError("--allow-new-layout needs --resume (it says how to load a checkpoint)")
-        if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():
-            raise InputError(f"--resume {self.resume}: no such checkpoint folder (or pass 'auto')")
-        if self.model is None and self.ref_model is not None:
-            raise InputError("--ref-model needs --model (a model built from a config is its own reference)")
-        self._validate_lora()
-        self._validate_ref_sync()
-        if self.ref_logps is not None:
-            if not Path(self.ref_logps).is_file():
-                raise InputError(f"--ref-logps {self.ref_logps}: no such file")
-            if self.ref_logps_conflict():
-                raise InputError(f"--ref-logps {self.ref_logps}: {self.ref_logps_conflict()}; drop one of them")
 
-    def ref_logps_conflict(self) -> str | None:
-        """Why these settings take no precomputed reference (None: they do)."""
-        if not self.loss_config(together=False).needs_reference:
-            return f"--loss {self.loss} is reference-free"
-        return "--ref-offload needs a reference model" if self.ref_offload else None
-
-    def _validate_scale_settings(self) -> None:
-        """The LR schedule and the held-out evaluation settings."""
-        if self.warmup_ratio is not None:
-            if not 0.0 <= self.warmup_ratio < 1.0:
-                raise InputError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
-            if self.warmup_steps:
-                raise InputError("--warmup-steps and --warmup-ratio are exclusive; give one")
-        if not 0.0 <= self.min_lr_ratio < 1.0:
-            raise InputError(f"--min-lr-ratio must be in [0, 1), got {self.min_lr_ratio}")
-        if self.lr_scheduler == "constant" and self.min_lr_ratio:
-            raise InputError(f"--min-lr-ratio {self.min_lr_ratio} has no effect with --lr-scheduler constant (it is the "
-                             f"floor of linear and cosine); set it to 0 or pick one of them")
-        if self.eval_fraction is not None:
-            if not 0.0 < self.eval_fraction < 1.0:
-                raise InputError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
-            if self.eval_dataset is not None:
-                raise InputError("--eval-dataset and --eval-fraction are exclusive: evaluate on another dataset or on "
-                                 "a held-out part of --dataset")
-        if self.eval_dataset is None and self.eval_fraction is None:
-            for key in ("eval_steps", "eval_max_pairs"):
-                if getattr(self, key) is not None:
-                    raise InputError(f"--{flag(key)} needs a held-out set: --eval-dataset or --eval-fraction")
-        if self.eval_dataset is not None and self.ref_logps is not None:
-            raise InputError(f"--eval-dataset with --ref-logps {self.ref_logps}: the file holds the reference log-probs "
-                             f"of --dataset only; evaluate on --eval-fraction of it, or drop --ref-logps")
-
-
-    def _validate_ref_sync(self) -> None:
-        """TR-DPO needs a reference model of its own to mix (TRL refuses PEFT and precomputed log-probs alike)."""
-        if not self.sync_ref_model:
-            defaults = (("ref_model_mixup_alpha", 0.6), ("ref_model_sync_steps", 512))
-            written = [f"--{flag(key)}" for key, default in defaults if getattr(self, key) != default]
-            if written:
-                raise InputError(f"{', '.join(written)} without --sync-ref-model has no effect (add --sync-ref-model)")
+    def _refuse_unused(self, enabling: str, names: tuple[str, ...], why: str) -> None:
+        """Settings among ``names`` written away from their defaults while ``enabling`` is off: refused (``why``)."""
+        if getattr(self, enabling):
             return
-        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
-            raise InputError(f"--ref-model-mixup-alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
-        if self.ref_model_sync_steps < 1:
-            raise InputError(f"--ref-model-sync-steps must be >= 1, got {self.ref_model_sync_steps}")
-        if self.lora_r:
-            raise InputError("--sync-ref-model with --lora-r: LoRA's reference is the policy with its adapters off "
-                             "(or a --ref-model the adapters never reach), not a model to mix toward the policy; TRL "
-                             "refuses it too; train every weight to use TR-DPO")
-        if self.ref_logps is not None:
-            raise InputError(f"--sync-ref-model with --ref-logps {self.ref_logps}: precomputed log-probs are of a fixed "
-                             f"reference, which TR-DPO moves; drop one of them")
-        loss = self.loss_config(together=False)
-        if not loss.needs_reference:
-            raise InputError(f"--sync-ref-model with --loss {self.loss}: {loss.specs[0].title} is reference-free, "
-                             f"there is no reference to mix")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        written = [f"--{flag(name)}" for name in names if getattr(self, name) != defaults[name]]
+        if written:
+            raise InputError(f"{', '.join(written)} {why}")
 
-    def _validate_lora(self) -> None:
-        if self.lora_r < 0:
-            raise InputError(f"--lora-r must be >= 0 (0: full fine-tuning), got {self.lora_r}")
-        if not self.lora_r:
-            given = [f"--{flag(key)}" for key, default in (("lora_alpha", None), ("lora_dropout", 0.0),
-                                                          ("lora_target_modules", "all-linear"))
-                     if getattr(self, key) != default]
-            if given:
-                raise InputError(f"{', '.join(given)} without --lora-r: LoRA is off (give --lora-r R > 0)")
-            return
-        if self.lora_alpha is not None and self.lora_alpha <= 0:
-            raise InputError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise InputError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
-        if not [name for name in self.lora_target_modules.split(",") if name.strip()]:
-            raise InputError("--lora-target-modules: no module name given")
-        if self.ref_offload and self.ref_model is None and self.ref_logps is None:
-            raise InputError("--ref-offload with --lora-r: the reference is the policy with its adapters off, there "
-                             "is no reference model to offload (give --ref-model to use a separate one)")
 
 def resolve_dtype(dtype: str, device_type: str) -> str:
     """--dtype auto: bf16 on CUDA (flash attention runs half precision only), fp32 on CPU (no fast bf16 kernels)."""

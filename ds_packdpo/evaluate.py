@@ -32,12 +32,12 @@ def parse_eval_args(argv: list[str] | None, prog: str = "ds-packdpo eval"):
                             epilog=refused_epilog("eval"))
 
 
-def evaluate_model(cfg) -> dict | None:
+def evaluate_model(flags) -> dict | None:
     """The whole job on this rank; rank 0 returns the figures (other ranks: None)."""
-    run = start(prepare(cfg, "eval"))
+    run = start(prepare(flags, "eval"))
     figures = evaluate(run, progress=True)
     run.close()
-    return figures if run.setup.layout.rank == 0 else None
+    return figures if run.setup.spec.layout.rank == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,27 +43,28 @@ def parse_args(argv: list[str] | None = None, prog: str = "ds-packdpo precompute
     return config_from_args(args, aside=NOT_ACTED_ON["precompute-ref"]), args.out
 
 
-def precompute_setup(cfg, out: str | None, world_size: int | None = None) -> tuple[Path, RunSetup]:
+def precompute_setup(flags, out: str | None, world_size: int | None = None) -> tuple[Path, RunSetup]:
     """Phase one: ``--out`` checked, then the run's (its output folder is --out's, which may hold other files)."""
-    path = check_output_path(out, cfg.overwrite, reads=cfg.local_inputs())
-    return path, prepare(dataclasses.replace(cfg, output_dir=str(path.parent), overwrite=True), "precompute-ref",
+    path = check_output_path(out, flags.overwrite, reads=flags.local_inputs())
+    return path, prepare(dataclasses.replace(flags, output_dir=str(path.parent), overwrite=True), "precompute-ref",
                          world_size)
 
 
-def precompute(cfg, out: str | None) -> dict | None:
+def precompute(flags, out: str | None) -> dict | None:
     """The whole job on this rank; rank 0 writes the file and returns a summary (other ranks: None).
 
     Each data-parallel share of the plan runs its rows; under sequence parallelism the
     ranks of a group run them together and only the first of the group keeps the sums
     (they are the same on every rank of the group).
     """
-    path, setup = precompute_setup(cfg, out)
+    path, setup = precompute_setup(flags, out)
     run = start(setup)
-    layout = setup.layout
+    spec = setup.spec
+    layout = spec.layout
     pair_ids = setup.prepared.dataset["pair_id"]
-    plan_cfg = dataclasses.replace(setup.plan_cfg, drop_last=False)  # every pair, once
+    plan_cfg = dataclasses.replace(spec.plan.config, drop_last=False)  # every pair, once
     local = {key: [] for key in RECORD_KEYS}
-    bar = progress_bar(len(pair_ids), "reference log-probs", "pair", layout.rank == 0 and cfg.progress)
+    bar = progress_bar(len(pair_ids), "reference log-probs", "pair", layout.rank == 0 and spec.outputs.progress)
     for plan in run_plan(setup.prepared, plan_cfg, epochs=1):
         found = []  # (pair indices, their sums in canonical order) this rank records
         batches = [run.row_batch(row, plan) for row in plan.ranks[layout.dp_rank]]
@@ -91,8 +92,8 @@ def precompute(cfg, out: str | None) -> dict | None:
         merged["rejected_tokens"] = [int(v) for v in merged["rejected_tokens"]]
         if len(merged["pair_id"]) != len(pair_ids):
             raise RuntimeError(f"precompute-ref: {len(merged['pair_id'])} pairs computed for {len(pair_ids)}")
-        info = {"dataset": cfg.dataset or "synthetic", "pairs": len(pair_ids), "attn": setup.attn,
-                **layout.as_dict(), "max_tokens_per_row": cfg.row_budget, "logps_impl": cfg.logps_impl}
+        info = {"dataset": spec.data.tokenization.dataset, "pairs": len(pair_ids), "attn": spec.attention.backend,
+                **layout.as_dict(), "max_tokens_per_row": spec.plan.row_budget, "logps_impl": spec.logps.impl}
         write_reference(path, merged, reference_fingerprint(setup), info)
         summary = {"output": str(path), "meta": f"{path}.meta.json", **info}
     run.close()

@@ -68,12 +68,10 @@ def child(args) -> dict:
         flat = labels.reshape(-1)
         rows = (flat != -100).nonzero().squeeze(1)
         if args.variant == "plain":
-            token_logps, mean_logit, _, token_stats = _plain_logps_at(head(hidden), rows, flat[rows],
-                                                                      chunk_tokens(args), stats=args.token_stats)
+            scored = _plain_logps_at(head(hidden), rows, flat[rows], chunk_tokens(args), stats=args.token_stats)
         else:
-            token_logps, mean_logit, _, token_stats = _lean_logps_at(hidden, rows, flat[rows], head,
-                                                                     chunk_tokens(args), stats=args.token_stats)
-        seqs = _per_sequence(seq_index.reshape(-1)[rows], token_logps, mean_logit, sequences, token_stats=token_stats)
+            scored = _lean_logps_at(hidden, rows, flat[rows], head, chunk_tokens(args), stats=args.token_stats)
+        seqs = _per_sequence(seq_index.reshape(-1)[rows], scored, sequences)
         (seqs.logps * torch.linspace(-1, 1, sequences)).sum().backward()
         hidden.grad = head.weight.grad = None
 

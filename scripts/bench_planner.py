@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from ds_packdpo.data.plan import PlanConfig, iter_plan
+from ds_packdpo.data.plan import PlanConfig, RowLayout, iter_plan
 from ds_packdpo.data.prompt_groups import PairGroups
 
 
@@ -65,7 +65,7 @@ def main() -> None:
         prompt = groups = None
     cfg = PlanConfig(max_tokens_per_row=args.max_tokens_per_row, dp_size=args.world_size, seed=args.seed,
                      global_batch_pairs=args.global_batch_pairs, attention_weight=args.attention_weight,
-                     prefix_sharing=grouped, prompt_groups=grouped)
+                     layout=RowLayout.PROMPT_GROUPS if grouped else RowLayout.PACKED)
 
     started, cpu_started = time.perf_counter(), time.process_time()
     utilization, rows_per_rank, copies, tokens_in_rows = [], [], 0, 0

@@ -29,10 +29,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from ds_packdpo.data.plan import RowLayout
 from ds_packdpo.errors import InputError
 from ds_packdpo.model import attention, torch_varlen
-from ds_packdpo.model.attention import (attn_implementation, check_model_attention, flash_attention_available,
-                                        is_flash, runs_half_precision_only)
+from ds_packdpo.model.attention import BACKENDS, attn_implementation, check_model_attention
 from ds_packdpo.model.build import ARCHITECTURES, build_model, tiny_config
 from ds_packdpo.model.guard import HALF_ATOL_PER_TOKEN, guard_pairs, packing_exactness, synthetic_pairs
 from ds_packdpo.model.matrix import VOCAB, matrix_outcome
@@ -70,7 +70,8 @@ def count_boundary_rediscovery():
 def matrix_entry(arch: str, attn: str, dtype: torch.dtype, device: str, shared_prefix: bool = False) -> dict:
     started = time.perf_counter()
     with count_boundary_rediscovery() as rediscovered:
-        outcome = matrix_outcome(arch, attn, dtype, device, num_pairs=4, shared_prefix=shared_prefix)
+        outcome = matrix_outcome(arch, attn, dtype, device, num_pairs=4,
+                             layout=RowLayout.PREFIX_SHARED if shared_prefix else RowLayout.PACKED)
     if outcome["verdict"] == "refused":
         return {**outcome, "ok": True}
     if dtype == torch.float32:
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
         return 0 if report["ok"] else 1
     results, usable = [], []
     for attn in args.attn.split(","):
-        if is_flash(attn) and (args.device != "cuda" or not flash_attention_available(attn)):
+        if attn.startswith("flash_attention") and (args.device != "cuda" or BACKENDS[attn].missing(attn)):
             if attn != "flash_attention_3":  # optional: only checked where it is installed
                 results.append({"attn": attn, "ok": False, "error": f"{attn} is not installed or not usable here"})
             continue
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
         usable.append(attn)
         # the flash kernels run half precision only; the others are checked in fp32 and bf16
         dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in args.dtypes.split(",")]
-        for dtype in [torch.bfloat16] if runs_half_precision_only(attn) else dtypes:
+        for dtype in [torch.bfloat16] if BACKENDS[attn].half_precision_only else dtypes:
             for arch in ARCHITECTURES:
                 for shared_prefix in (False, True) if attn in ("sdpa_varlen", "torch_varlen") else (False,):
                     try:

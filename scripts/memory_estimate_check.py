@@ -27,17 +27,17 @@ def main(argv: list[str]) -> dict:
     setup = prepare(parse_train_args(argv), "train")
     estimate = estimate_memory(setup)
     baseline = psutil.Process().memory_info().rss
-    with PeakMemory(setup.device_type) as peak:
+    with PeakMemory(setup.spec.device_type) as peak:
         train_loop(start(setup), {})
     close_process_group()
-    measured = peak.peak_bytes - baseline if setup.device_type == "cpu" else peak.peak_bytes
+    measured = peak.peak_bytes - baseline if setup.spec.device_type == "cpu" else peak.peak_bytes
     return {"estimate_mib": estimate["total"] / 2**20, "measured_mib": measured / 2**20,
             "estimate_over_measured": estimate["total"] / measured, "baseline_rss_mib": baseline / 2**20,
             "parts_mib": {"model_states": estimate["model_states"] / 2**20,
                           "reference": estimate["reference_weights"] / 2**20,
                           "activations": {k: v / 2**20 for k, v in estimate["activations"].items()},
                           "logps_chunk": estimate["logps_chunk"] / 2**20},
-            "gradient_checkpointing": setup.cfg.gradient_checkpointing, "row_tokens": estimate["row_tokens"],
+            "gradient_checkpointing": setup.spec.model.gradient_checkpointing, "row_tokens": estimate["row_tokens"],
             "parameters": estimate["parameters"]}
 
 

@@ -49,7 +49,7 @@ def step1_eager_means(run, folder: Path) -> tuple[float, float, int]:
     """Mean chosen and rejected log-prob of step 1's pairs, each sequence alone with eager attention, no DeepSpeed;
     and the longest sequence."""
     setup = run.setup
-    plan = next(iter(run_plan(setup.prepared, setup.plan_cfg, 1)))
+    plan = next(iter(run_plan(setup.prepared, setup.spec.plan.config, 1)))
     indices = sorted(plan.pairs)
     columns = setup.prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).to_list()
     model = build_model(str(folder), None, setup.vocab_size, torch.float32, "eager").eval()
@@ -78,7 +78,7 @@ def main(workdir: str, out_path: str) -> None:
         setup = prepare(cfg, "train")
         run = start(setup)
         history = train_loop(run, plan_summary(setup))
-        result = {"attn": run.setup.attn, "guard": run.packing_check,
+        result = {"attn": run.setup.spec.attention.backend, "guard": run.packing_check,
                   "metrics": [{k: s[k] for k in ("loss", "grad_norm", "logps/chosen", "logps/rejected")}
                               for s in history]}
         if arch in THREE_STEPS and dist.get_rank() == 0:

@@ -35,8 +35,8 @@ def step_gradients(run, rows, plan) -> list[torch.Tensor]:
         batch = run.row_batch(row, plan)
         reference = run.reference_logps(batch)
         policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
-        losses, _ = pair_losses(run.forward_logps(policy, batch), reference, run.setup.loss_cfg)
-        policy.backward(global_normalized_loss(losses, plan.num_pairs, run.setup.layout.gradient_divisor),
+        losses, _ = pair_losses(run.forward_logps(policy, batch), reference, run.setup.spec.loss)
+        policy.backward(global_normalized_loss(losses, plan.num_pairs, run.setup.spec.layout.gradient_divisor),
                         scale_wrt_gas=False)
     grads = [safe_get_full_grad(p).detach().clone() for p in policy.module.parameters()]
     policy.optimizer.zero_grad()
@@ -52,8 +52,8 @@ def full_parameters(module) -> dict[str, torch.Tensor]:
 def main(out_path: str, flags: list[str]) -> None:
     setup = prepare(parse_train_args(flags), "train")
     run = start(setup)
-    policy, layout = run.policy, setup.layout
-    plan = next(run_plan(setup.prepared, setup.plan_cfg, 1))
+    policy, layout = run.policy, setup.spec.layout
+    plan = next(run_plan(setup.prepared, setup.spec.plan.config, 1))
     rows = plan.ranks[layout.dp_rank][:ROWS]
     assert len({len(r[:ROWS]) for r in plan.ranks}) == 1  # the same number of forwards on every rank
 
@@ -81,7 +81,7 @@ def main(out_path: str, flags: list[str]) -> None:
     policy.step()
     after = full_parameters(policy.module)
     exempt = no_decay_names(policy.module)
-    factor = 1.0 - lr * setup.cfg.weight_decay
+    factor = 1.0 - lr * setup.spec.optimizer.weight_decay
     report["decayed_max_rel_error"] = max(float((after[n] - before[n] * factor).abs().max() / before[n].abs().max())
                                           for n in before if n not in exempt)
     report["exempt_max_change"] = max(float((after[n] - before[n]).abs().max()) for n in exempt)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ds_packdpo.run.build_lock import venv_extensions_dir
+from ds_packdpo.run.hooks import HOOKS_ENV
 from ds_packdpo.run.layout import free_port
 from ds_packdpo.run.process_group import SHM_DIR, shm_buffer_name
 
@@ -34,11 +35,13 @@ SMALL_RUN = [*SMALL_DATA, "--max-steps", "3", "--lr", "1e-3"]
 
 
 def cpu_env(**extra: str) -> dict:
-    """The environment of a CPU run of this checkout (its ds_packdpo first on the path, the venv's tools on PATH)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    """The environment of a CPU run of this checkout (its ds_packdpo first on the path, the venv's tools on PATH),
+    with the fault hooks (fault_hooks.py) installed in every rank: inert unless ``extra`` asks for a fault."""
+    path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
     tools = os.pathsep.join(p for p in (str(BIN), os.environ.get("PATH")) if p)
     extensions = {"TORCH_EXTENSIONS_DIR": venv_extensions_dir()} if venv_extensions_dir() else {}
-    return {**extensions, **os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": path, "PATH": tools, **extra}
+    return {**extensions, **os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": path, "PATH": tools,
+            HOOKS_ENV: "fault_hooks", **extra}
 
 
 def _failure(cmd: list[str], outcome: str, output: str) -> str:
@@ -189,7 +192,7 @@ def rank_check_main(main) -> None:
 def write_rank_report(run, report: dict, out_path: str) -> None:
     """The end of a rank check script: the engines freed, rank 0 writes the figures as JSON, every rank waits."""
     run.close()
-    if run.setup.layout.rank == 0:
+    if run.setup.spec.layout.rank == 0:
         with open(out_path, "w") as handle:
             json.dump(report, handle)
     dist.barrier()

@@ -17,6 +17,7 @@ import torch
 from launching import ranks_script, run
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
+from ds_packdpo.data.plan import RowLayout
 from ds_packdpo.errors import InputError, PackingNotExactError
 from ds_packdpo.model import attention
 from ds_packdpo.model.attention import (VARLEN_IMPLEMENTATION, attend_sequence, causal_window_mask,
@@ -65,7 +66,7 @@ def test_matrix_packed_equals_eager_alone_or_is_refused(arch, attn):
 def test_matrix_prefix_shared_rows_equal_eager_alone(arch):
     """sdpa_varlen's prefix-shared rows (each prompt once; prompts longer than the window, so the rejected block's
     window cuts into its prompt) against every sequence alone, eager: log-probs and gradients."""
-    outcome = matrix_outcome(arch, "sdpa_varlen", shared_prefix=True)
+    outcome = matrix_outcome(arch, "sdpa_varlen", layout=RowLayout.PREFIX_SHARED)
     assert outcome["verdict"] == "measured" and outcome["logps_diff"] <= LOGPS_ATOL, outcome
     assert outcome["grad_diff"] <= 1e-5 * outcome["grad_scale"], outcome
 

@@ -43,8 +43,8 @@ def test_pack_stats_plans_exactly_what_training_runs_under_sequence_parallelism(
     # training's phase one at that layout plans the same rows
     setup = prepare(parse_train_args([*SMALL, *cache, "--sequence-parallel-size", "2", "--max-tokens-per-row", "100",
                                       "--output-dir", str(tmp_path / "out")]), "train", world_size=4)
-    assert (setup.layout.dp_size, setup.layout.sp_size, setup.plan_cfg.max_tokens_per_row) == (2, 2, 200)
-    plans = run_plan(setup.prepared, setup.plan_cfg, 1)
+    assert (setup.spec.layout.dp_size, setup.spec.layout.sp_size, setup.spec.plan.config.max_tokens_per_row) == (2, 2, 200)
+    plans = run_plan(setup.prepared, setup.spec.plan.config, 1)
     planned = [(plan.step, rank, list(row.pairs)) for plan in plans for rank, rows in enumerate(plan.ranks) for row in rows]
     pair_ids = setup.prepared.dataset["pair_id"]
     assert [(r["step"], r["rank"], r["pairs"]) for r in _plan_lines(sp2)] == [
@@ -101,7 +101,7 @@ def test_no_module_imports_a_module_that_imports_it_back():
 
 
 # Imports inside functions, each for a reason said in a comment there: the CLI keeps prepare, pack-stats and
-# report free of DeepSpeed and the model stack; config builds the loss settings without importing the model stack.
+# report free of DeepSpeed and the model stack; config builds the data settings without importing transformers.
 DEFERRED_IMPORTS_ALLOWED = {"ds_packdpo.cli", "ds_packdpo.config"}
 
 
@@ -111,6 +111,19 @@ def test_imports_sit_at_the_top_of_modules():
             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 inner = [n for n in ast.walk(function) if isinstance(n, (ast.Import, ast.ImportFrom))]
                 assert not inner or name in DEFERRED_IMPORTS_ALLOWED, (name, function.name)
+
+
+# The flags as users type them (config.TrainConfig) are read by the command line, the flags' reference and the
+# assembly, which resolves them into the run's settings: every other module takes its section of those.
+READ_THE_FLAGS = {"ds_packdpo.config", "ds_packdpo.cli", "ds_packdpo.cli_reference", "ds_packdpo.run.assemble"}
+
+
+def test_only_the_assembly_and_the_command_line_name_the_flags_class():
+    for name, tree in _modules().items():
+        named = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)} | \
+            {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)} | \
+            {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+        assert "TrainConfig" not in named or name in READ_THE_FLAGS, name
 
 
 def _calls(tree: ast.Module, attribute: str) -> int:

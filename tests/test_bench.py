@@ -15,12 +15,14 @@ import torch
 from ds_packdpo import bench
 from ds_packdpo import cli
 from ds_packdpo.errors import InputError
-from ds_packdpo.config import parse_train_args
+from ds_packdpo.config import parse_train_args, to_dict
+from ds_packdpo.data.plan import Row, RowLayout, StepPlan
 from ds_packdpo.model.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
 from ds_packdpo.model.build import build_model, tiny_config
 from ds_packdpo.model.lora import LoraSettings, add_adapters
 from ds_packdpo.report import (GROUPS_OFF, PLOTS, REPORT_SCHEMA, RUN_SCHEMA, build_report, check_report, merge_reports,
                                read_report, render_markdown, write_merged)
+from ds_packdpo.run.layout import ParallelLayout
 
 from launching import ranks_module, run
 
@@ -39,18 +41,18 @@ def test_step_flops_formula_by_hand():
 
 def test_attention_term_is_sum_of_squares_packed_and_rows_times_width_squared_padded():
     chosen, rejected = [3, 10, 4], [5, 2, 7]
-    assert row_attention_sq((0, 2), chosen, rejected, packed=True) == 3**2 + 4**2 + 5**2 + 7**2
-    assert row_attention_sq((0, 2), chosen, rejected, packed=False) == 4 * 7**2  # 4 rows padded to 7
-    assert row_attention_sq((), chosen, rejected, packed=True) == 1  # the dummy row
+    assert row_attention_sq((0, 2), chosen, rejected, RowLayout.PACKED) == 3**2 + 4**2 + 5**2 + 7**2
+    assert row_attention_sq((0, 2), chosen, rejected, RowLayout.PADDED) == 4 * 7**2  # 4 rows padded to 7
+    assert row_attention_sq((), chosen, rejected, RowLayout.PACKED) == 1  # the dummy row
     # prefix sharing: (P + C)^2 for prompt + chosen, R (P + R) for the rejected queries against prompt + rejected keys
     prompt = [2, 1, 3]
-    assert row_attention_sq((0, 2), chosen, rejected, True, prompt, prefix_sharing=True) == 3**2 + 3 * 5 + 4**2 + 4 * 7
-    assert row_attention_sq((0, 2), chosen, rejected, False, prompt, prefix_sharing=True) == 4 * 7**2
+    assert row_attention_sq((0, 2), chosen, rejected, RowLayout.PREFIX_SHARED, prompt) == 3**2 + 3 * 5 + 4**2 + 4 * 7
+    assert row_attention_sq((0, 2), chosen, rejected, RowLayout.PADDED, prompt) == 4 * 7**2
 
 
 def test_throughput_figures_mfu_only_with_a_peak():
     model = FlopModel(matmul_params=1, layers=1, attn_width=1, with_reference=False)
-    meter = ThroughputMeter(model, [1], [1], packed=True, world_size=2, peak_tflops=4.0)
+    meter = ThroughputMeter(model, [1], [1], RowLayout.PACKED, world_size=2, peak_tflops=4.0)
     assert meter.figures(flops=8e12, seconds=2.0) == {"model_tflops_per_s": 4.0, "mfu": 0.5}
     meter.peak_tflops = None
     assert meter.figures(flops=8e12, seconds=2.0) == {"model_tflops_per_s": 4.0, "mfu": None}
@@ -81,9 +83,8 @@ def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
     assert not parse_train_args(["--loss", "sft"]).loss_config().needs_policy_prepass  # a token count, no forward
     assert not parse_train_args([]).loss_config().needs_policy_prepass
     model = FlopModel(matmul_params=1000, layers=2, attn_width=8, with_reference=True)
-    plan = SimpleNamespace(ranks=[[SimpleNamespace(pairs=(0, 1))]], rank_computed_tokens=[3 + 4 + 2 + 5],
-                           responses=None)
-    meter = ThroughputMeter(model, [3, 4], [2, 5], packed=True, world_size=1, peak_tflops=None, policy_prepass=True)
+    plan = StepPlan(0, 0, (0, 1), ((Row(pairs=(0, 1), tokens=14, computed_tokens=14),),))
+    meter = ThroughputMeter(model, [3, 4], [2, 5], RowLayout.PACKED, world_size=1, peak_tflops=None, policy_prepass=True)
     # one policy forward of the step's computed tokens: 2 N T + 4 l d S, S = 3^2 + 4^2 + 2^2 + 5^2
     assert meter.prepass_flops(plan) == 2 * 1000 * 14 + 4 * 2 * 8 * (9 + 16 + 4 + 25)
     assert meter.step_flops(plan) == step_flops(model, 14, 54)  # the model FLOPs are unchanged
@@ -159,10 +160,14 @@ def test_a_bench_that_dies_keeps_the_configurations_it_measured(tmp_path, monkey
     names = [*measured, "padded"]
     layout = SimpleNamespace(rank=0, as_dict=lambda: {"world_size": 1, "dp_size": 1, "sp_size": 1})
     cfg = parse_train_args(["--dtype", "fp32"])
-    first = SimpleNamespace(layout=layout, vocab_size=old["model"]["vocab_size"], device_type="cpu")
+    spec = SimpleNamespace(layout=layout, device_type="cpu", settings=to_dict(cfg), model=SimpleNamespace(dtype="fp32"),
+                           data=SimpleNamespace(tokenization=SimpleNamespace(dataset="synthetic")),
+                           plan=cfg.plan_spec(ParallelLayout(world_size=1), cfg.row_layout),
+                           outputs=SimpleNamespace(overwrite=cfg.overwrite))
+    first = SimpleNamespace(spec=spec, vocab_size=old["model"]["vocab_size"])
     monkeypatch.setattr(bench, "check_configurations",
                         lambda cfg, settings: bench.BenchPlan(cfg, first, dict.fromkeys(names, "set-up")))
-    monkeypatch.setattr(bench, "model_summary", lambda cfg, vocab: old["model"])
+    monkeypatch.setattr(bench, "model_summary", lambda model, setup: old["model"])
     monkeypatch.setattr(bench, "environment", lambda device: old["environment"])
 
     def measure(name, setup, warmup):
@@ -524,8 +529,8 @@ def test_bench_sets_aside_what_only_training_does_when_a_recipe_holds_it(tmp_pat
     args = ["--config", str(recipe), "--synthetic-pairs", "48", "--global-batch-pairs", "8", "--max-steps", "2",
             "--bench-warmup-steps", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "b")]
     plan = bench.check_configurations(*bench.parse_bench_args(args), world_size=1)
-    assert plan.cfg.save_steps is None and plan.cfg.eval_fraction is None and plan.cfg.max_length == 64
-    assert not {"save_steps", "eval_fraction"} & (plan.cfg.given | plan.cfg.from_file)
+    assert plan.flags.save_steps is None and plan.flags.eval_fraction is None and plan.flags.max_length == 64
+    assert not {"save_steps", "eval_fraction"} & (plan.flags.given | plan.flags.from_file)
     err = capfd.readouterr().err
     assert err.count(f"warning: eval_fraction from --config {recipe}: bench measures training steps only") == 1
     assert err.count(f"warning: save_steps from --config {recipe}: bench measures training steps and writes only") == 1

@@ -1,6 +1,6 @@
 """Chaos: a 2-rank job killed at seeded random moments, resumed each time, ends where the uninterrupted run ends.
 
-Four SIGKILLs (run/faults.py), each of a random rank at a random step: inside a forward, inside a backward, in the
+Four SIGKILLs (tests/fault_hooks.py), each of a random rank at a random step: inside a forward, inside a backward, in the
 middle of a checkpoint save (every rank's files written, no manifest yet), and in the middle of the universal
 conversion of a resume at another world size (--allow-new-layout, 1 rank).  After each the job is relaunched with
 ``--resume auto``.  The kill schedule is printed; ``DS_PACKDPO_CHAOS_SEED`` replays another one.

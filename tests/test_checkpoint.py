@@ -17,6 +17,7 @@ import pytest
 import torch
 from launching import BIN, cpu_env, free_port, rank_module, ranks_module, read_metrics, run, two_node_launch
 from test_scale import closed_form
+import specs
 
 from ds_packdpo import cli
 from ds_packdpo.run.checkpoint import LATEST, STATE_FILE
@@ -120,7 +121,7 @@ def step_logps(model, tmp_path: Path, step: int, tokenizer) -> tuple[float, floa
     from ds_packdpo.run.assemble import prepare
 
     setup = prepare(parse_train_args(flags(tmp_path, "plan_only")))
-    plan = next(iter(run_plan(setup.prepared, setup.plan_cfg, 1, start_step=step - 1)))
+    plan = next(iter(run_plan(setup.prepared, setup.spec.plan.config, 1, start_step=step - 1)))
     batch = collate_row(setup.prepared.dataset, plan.pairs, tokenizer.pad_token_id)
     with torch.no_grad():
         out = forward_logps(model, batch, "sdpa")
@@ -355,7 +356,7 @@ def test_prune_keeps_the_newest_intact(tmp_path):
 
 
 def test_trim_metrics_drops_undone_and_torn_records(tmp_path):
-    from ds_packdpo.run.checkpoint import trim_metrics
+    from ds_packdpo.run.metrics import trim_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
@@ -422,6 +423,7 @@ def test_save_syncs_every_file_before_latest_moves(tmp_path, monkeypatch):
 
     from ds_packdpo.config import parse_train_args
     from ds_packdpo.run import checkpoint as ckpt
+    from ds_packdpo.run.assemble import checkpoint_spec, model_spec
     from ds_packdpo.run.layout import ParallelLayout
 
     synced, when_latest_moved, replaced = [], [], []
@@ -442,9 +444,12 @@ def test_save_syncs_every_file_before_latest_moves(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt.dist, "barrier", lambda: None)
     cfg = parse_train_args(["--output-dir", str(tmp_path / "run"), "--save-steps", "1"])
     tokenizer = SimpleNamespace(save_pretrained=lambda folder: (Path(folder) / "tokenizer.json").write_text("{}"))
-    setup = SimpleNamespace(layout=ParallelLayout(world_size=1), prepared=SimpleNamespace(fingerprint="data"),
+    layout = ParallelLayout(world_size=1)
+    spec = SimpleNamespace(layout=layout, checkpoint=checkpoint_spec(cfg), model=model_spec(cfg, "fp32"),
+                           plan=cfg.plan_spec(layout, cfg.row_layout))
+    setup = SimpleNamespace(spec=spec, prepared=SimpleNamespace(fingerprint="data"), plan_fingerprint="plan",
                             tokenizer=tokenizer)
-    tag_dir = ckpt.Checkpointer(cfg, SimpleNamespace(setup=setup)).save(_FakeEngine(), 1, 0, 1, 0)
+    tag_dir = ckpt.Checkpointer(SimpleNamespace(setup=setup)).save(_FakeEngine(), 1, 0, 1, 0)
     everything = {tag_dir, *tag_dir.rglob("*")}
     assert {p.name for p in everything} >= {STATE_FILE, "rng_rank0.pt", "hf", "config.json", "tokenizer.json",
                                              "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
@@ -485,7 +490,7 @@ def test_resume_at_another_layout_needs_the_flag_and_zero3(tmp_path):
     checkpoint is loaded through the universal format, another stage is refused; the flag needs --resume."""
     from ds_packdpo.config import parse_train_args
     from ds_packdpo.errors import InputError
-    from ds_packdpo.run.checkpoint import check_resume, plan_fingerprint
+    from ds_packdpo.run.assemble import checkpoint_spec
     from ds_packdpo.run.layout import ParallelLayout
 
     def resume(stage: int, *extra: str):
@@ -493,10 +498,10 @@ def test_resume_at_another_layout_needs_the_flag_and_zero3(tmp_path):
         tag_dir = tmp_path / f"stage{stage}" / "global_step4"
         if not tag_dir.exists():
             fake_checkpoint(tag_dir, 2, 2, zero_stage=stage, dtype="fp32", bad_steps=0,
-                            plan_fingerprint=plan_fingerprint(parse_train_args(run_flags), "data"),
+                            plan_fingerprint=specs.fingerprint(parse_train_args(run_flags), "data"),
                             position={"epoch": 0, "epoch_step": 4, "global_step": 4})
         cfg = parse_train_args([*run_flags, "--resume", str(tag_dir), *extra])
-        return check_resume(cfg, "data", ParallelLayout(world_size=1, zero_stage=stage))
+        return specs.resume(cfg, "data", ParallelLayout(world_size=1, zero_stage=stage))
 
     with pytest.raises(InputError, match=r"this run is 1 rank .*\(pass --allow-new-layout to load it at this one"):
         resume(3)
@@ -505,7 +510,7 @@ def test_resume_at_another_layout_needs_the_flag_and_zero3(tmp_path):
     with pytest.raises(InputError, match=r"ZeRO stage 2; loading at another layout is supported for ZeRO-3"):
         resume(2, "--allow-new-layout")
     with pytest.raises(InputError, match="--allow-new-layout needs --resume"):
-        parse_train_args(["--allow-new-layout"])
+        checkpoint_spec(parse_train_args(["--allow-new-layout"]))
 
 
 def test_the_end_of_a_run_meets_its_peers_before_the_group_goes(monkeypatch):

@@ -11,20 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 from launching import cpu_env, rank_module, read_metrics, run
+import specs
 from test_bad_input import assert_one_line_error
 from test_checkpoint import RUN_SETTINGS, TIMING, fake_checkpoint, flags
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.errors import InputError
-from ds_packdpo.run.checkpoint import LATEST, check_resume, plan_fingerprint, resolve_checkpoint, write_latest
+from ds_packdpo.run.checkpoint import LATEST, resolve_checkpoint, write_latest
 from ds_packdpo.run.layout import ParallelLayout
 from ds_packdpo.run.manifest import MANIFEST_FILE, total_bytes, write_manifest
 
 
 def _resumable(tag_dir: Path, run_flags: list[str], step: int) -> Path:
     return fake_checkpoint(tag_dir, 1, 1, dtype="fp32", bad_steps=0, lora=None, output_dir=str(tag_dir),
-                           plan_fingerprint=plan_fingerprint(parse_train_args(run_flags), "data"),
+                           plan_fingerprint=specs.fingerprint(parse_train_args(run_flags), "data"),
                            position={"epoch": 0, "epoch_step": step, "global_step": step})
 
 
@@ -46,7 +47,7 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys
     rng.write_bytes(bytes(damaged))
 
     cfg = parse_train_args([*run_flags, "--resume", "auto"])
-    point = check_resume(cfg, "data", ParallelLayout(world_size=1))
+    point = specs.resume(cfg, "data", ParallelLayout(world_size=1))
     assert point.tag_dir == tags[3] and point.global_step == 3
     assert point.skipped == (f"global_step12: no {MANIFEST_FILE} (its save did not finish)",
                              "global_step9: zero_pp_rank_0_mp_rank_00_model_states.pt is truncated or grew "
@@ -54,7 +55,7 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys
                              "global_step6: rng_rank0.pt was altered (its checksum differs from the manifest's)")
     with pytest.raises(InputError, match=r"^--resume .*global_step9: zero_pp_rank_0_mp_rank_00_model_states.pt is "
                                          r"truncated or grew"):
-        check_resume(parse_train_args([*run_flags, "--resume", str(tags[9])]), "data", ParallelLayout(world_size=1))
+        specs.resume(parse_train_args([*run_flags, "--resume", str(tags[9])]), "data", ParallelLayout(world_size=1))
     code = cli.main(["export", "--checkpoint", str(save_dir), "--out", str(tmp_path / "hf")])  # 'latest': step 9
     assert_one_line_error(code, capsys.readouterr().err, f"--checkpoint {tags[9]}: zero_pp_rank_0_mp_rank_00_model_"
                           "states.pt is truncated or grew")
@@ -70,7 +71,7 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys
     (tags[3] / "hf" / "config.json").unlink()
     with pytest.raises(InputError, match=r"holds no intact checkpoint to resume \(global_step12: .*global_step3: "
                                          r"hf/config.json is missing\); pass --overwrite to start afresh$"):
-        check_resume(cfg, "data", ParallelLayout(world_size=1))
+        specs.resume(cfg, "data", ParallelLayout(world_size=1))
     assert cli.main(["verify-checkpoint", str(save_dir)]) == 2
     assert_one_line_error(2, capsys.readouterr().err, f"verify-checkpoint {save_dir}: no intact checkpoint (")
 
@@ -100,7 +101,7 @@ def test_a_checkpoint_holding_code_is_refused_and_never_run(tmp_path, capsys):
     want = "zero_pp_rank_0_mp_rank_00_model_states.pt: its pickle calls builtins.exec (loading it would run code); " \
            "refused"
     with pytest.raises(InputError, match=f"^--resume {tag}: {want}$".replace("(", r"\(").replace(")", r"\)")):
-        check_resume(parse_train_args([*run_flags, "--resume", str(tag)]), "data", ParallelLayout(world_size=1))
+        specs.resume(parse_train_args([*run_flags, "--resume", str(tag)]), "data", ParallelLayout(world_size=1))
     assert cli.main(["export", "--checkpoint", str(tag), "--out", str(tmp_path / "hf")]) == 2
     assert_one_line_error(2, capsys.readouterr().err, f"--checkpoint {tag}: {want}")
     assert cli.main(["verify-checkpoint", str(tag)]) == 2

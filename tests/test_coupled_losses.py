@@ -148,7 +148,7 @@ def test_step_one_of_a_run_equals_trl_on_its_pairs(tmp_path):
     (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert record["rows_per_rank"] == 1 and record["pairs"] == PAIRS
     setup = prepare(parse_train_args(flags), "train", world_size=1)
-    step = next(run_plan(setup.prepared, setup.plan_cfg, 1))
+    step = next(run_plan(setup.prepared, setup.spec.plan.config, 1))
     ids = [int(setup.prepared.dataset[p]["pair_id"]) for p in step.pairs]
     policy_sums, reference_sums = fp64_sums(flags, policy), fp64_sums(flags, reference)
     completion, per_token = trl_layout([policy_sums[i] for i in ids])

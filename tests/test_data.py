@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import types
 from pathlib import Path
 
 import datasets
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 
 from ds_packdpo.data import prepare as data
 from ds_packdpo.data.prepare import DataConfig, prepare_pairs, run_prepare, tokenizer_fingerprint, truncation_lengths, write_pairs_jsonl
+from ds_packdpo.config import parse_train_args
 from ds_packdpo.errors import InputError
 
 # One canonical set of pairs, written below in each of the four formats.
@@ -473,9 +473,10 @@ def test_data_config_rejects_bad_settings():
                              ({"max_length": 0}, "max_length must be >= 1"), ({"max_pairs": 0}, "max_pairs must be >= 1")]:
         with pytest.raises(InputError, match=expected):
             DataConfig("x.json", **kwargs)
-    settings_obj = types.SimpleNamespace(dataset="d.json", max_length=64, lr=1e-6, format="sharegpt")
+    settings_obj = parse_train_args(["--dataset", "d.json", "--max-length", "64", "--lr", "1e-6", "--format",
+                                     "sharegpt", "--max-pairs", "5"])
     expected = DataConfig("d.json", max_length=64, format="sharegpt", max_pairs=5)
-    assert DataConfig.from_settings(settings_obj, max_pairs=5) == expected
+    assert settings_obj.data_spec().tokenization == expected
 
 
 # ----------------------------------------------------------------------------- truncation

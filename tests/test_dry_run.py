@@ -15,8 +15,8 @@ from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.model.build import build_model
 from ds_packdpo.model.logps import auto_chunk_tokens
-from ds_packdpo.model.lora import LoraSettings, add_adapters
-from ds_packdpo.run.assemble import prepare
+from ds_packdpo.model.lora import add_adapters
+from ds_packdpo.run.assemble import lora_settings, prepare
 from ds_packdpo.run.memory_estimate import (OPTIMIZER_BYTES_PER_PARAMETER, describe_estimate, estimate_memory,
                                             layer_activation_elements, parameter_counts)
 
@@ -90,7 +90,7 @@ def test_a_lora_estimate_counts_optimizer_states_of_the_adapters_alone(tmp_path,
     _, full = estimate()
     cfg, lora = estimate("--lora-r", "4", "--lora-target-modules", "q_proj,v_proj")
     model = add_adapters(build_model(None, "tiny", prepare(cfg, world_size=1).vocab_size, None, "sdpa", seed=0),
-                         LoraSettings.of(cfg))
+                         lora_settings(cfg))
     parameters = {id(p): p for p in model.parameters()}.values()
     trainable = sum(p.numel() for p in parameters if p.requires_grad)
     total = sum(p.numel() for p in parameters)

@@ -62,8 +62,8 @@ def fp64_sums(flags: list[str], folder: Path) -> dict[int, tuple[float, float, i
     from ds_packdpo.config import parse_train_args
     from ds_packdpo.data.source import prepare_run_data, tokenizer_and_rows
 
-    cfg = parse_train_args(flags)
-    prepared = prepare_run_data(cfg, *tokenizer_and_rows(cfg))
+    data = parse_train_args(flags).data_spec()
+    prepared = prepare_run_data(data.tokenization, *tokenizer_and_rows(data))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="sdpa").eval()
     result = {}
     for record in prepared.dataset:

@@ -23,6 +23,7 @@ from ds_packdpo import config as config_module
 from ds_packdpo.command_settings import not_acted_on
 from ds_packdpo.errors import InputError
 from ds_packdpo.config import TrainConfig, config_from_args, flag_fields, parse_train_args, train_parser
+from ds_packdpo.run.assemble import output_spec
 
 
 def to_dict(cfg) -> dict:
@@ -220,7 +221,7 @@ def test_a_recipe_may_write_a_comma_list_as_a_yaml_list(tmp_path):
     as_text = parse("loss: sigmoid,sft\nloss_weights: '1.0,0.5'\nlora_r: 4\nlora_target_modules: q_proj,v_proj\n"
                     "report_to: csv,tensorboard\n")
     assert as_lists == as_text and as_lists.loss == "sigmoid,sft" and as_lists.loss_weights == "1.0,0.5"
-    assert as_lists.loss_config().loss_weights == (1.0, 0.5) and as_lists.monitors == ["csv", "tensorboard"]
+    assert as_lists.loss_config().loss_weights == (1.0, 0.5) and list(output_spec(as_lists).monitors) == ["csv", "tensorboard"]
     for text, got in (("loss_weights: [1.0, yes]", "bool True"), ("loss: [sigmoid, 3]", "int 3"),
                       ("loss: []", "an empty list"), ("report_to: [csv, '']", "str ''")):
         with pytest.raises(InputError, match=f"key '{text.split(':')[0]}' must be a comma-separated string or a "

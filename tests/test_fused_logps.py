@@ -13,9 +13,8 @@ from ds_packdpo.errors import InputError
 from ds_packdpo.model import fused_logps
 from ds_packdpo.model.build import tiny_config
 from ds_packdpo.model.collate import collate_packed, collate_shared
-from ds_packdpo.model.fused_logps import resolve_logps_impl
 from ds_packdpo.model.guard import synthetic_pairs
-from ds_packdpo.model.logps import forward_logps
+from ds_packdpo.model.logps import forward_logps, resolve_logps_impl
 from ds_packdpo.run.assemble import prepare
 
 from test_bad_input import assert_one_line_error
@@ -91,7 +90,7 @@ def test_phase_one_resolves_auto_and_refuses_fused_on_cpu(tmp_path, no_launch, c
 
     flags = ["--output-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--synthetic-pairs", "16",
              "--max-length", "64"]
-    assert prepare(parse_train_args(flags), "train", world_size=1).cfg.logps_impl == "lean"
+    assert prepare(parse_train_args(flags), "train", world_size=1).spec.logps.impl == "lean"
     code = cli.main(["train", *flags, "--logps-impl", "fused"])
     assert_one_line_error(code, capsys.readouterr().err, "--logps-impl fused:", "CUDA", "--logps-impl lean")
     assert not (tmp_path / "run").exists()

@@ -19,14 +19,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.data.plan import (PlanConfig, iter_plan, pack_stats, step_compositions, steps_per_epoch,
+from ds_packdpo.data.plan import (PlanConfig, RowLayout, iter_plan, pack_stats, step_compositions, steps_per_epoch,
                                   write_plan_jsonl)
 from ds_packdpo.data.prompt_groups import PairGroups, pair_groups
 from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.model import prefix_attention, torch_varlen
 from ds_packdpo.model.build import ARCHITECTURES, build_model
 from ds_packdpo.model.collate import (PrefixLayout, PromptGroup, collate_groups, collate_grouped, collate_shared,
-                                      collate_spread_row, group_pairs)
+                                      collate_row, group_pairs)
 from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.model.logps import forward_logps
 from ds_packdpo.model.matrix import matrix_outcome
@@ -137,7 +137,7 @@ def test_matrix_grouped_rows_equal_each_pair_alone(monkeypatch, arch):
     than the window; with sdpa_varlen (the CPU kernel) and torch_varlen (emulated; Gemma 2 refused there)."""
     use_torch_varlen_emulation(monkeypatch)
     for attn in ("sdpa_varlen", "torch_varlen"):
-        outcome = matrix_outcome(arch, attn, grouped=True)
+        outcome = matrix_outcome(arch, attn, layout=RowLayout.PROMPT_GROUPS)
         if outcome["verdict"] == "refused":
             assert (arch, attn) == ("gemma2", "torch_varlen"), outcome
             continue
@@ -178,8 +178,8 @@ def test_steps_take_whole_groups_whatever_the_layout():
     compositions = set()
     for world, budget, packing, sharing, grouping in ((1, 4000, True, True, True), (2, 700, True, True, False),
                                                       (2, 700, True, False, False), (3, 900, False, False, False)):
-        cfg = PlanConfig(max_tokens_per_row=budget, dp_size=world, seed=5, global_batch_pairs=16, packing=packing,
-                         prefix_sharing=sharing, prompt_groups=grouping)
+        cfg = PlanConfig(max_tokens_per_row=budget, dp_size=world, seed=5, global_batch_pairs=16,
+                         layout=RowLayout.of(packing, sharing, grouping))
         steps = [plan.pairs for plan in iter_plan(chosen, rejected, cfg, 2, prompt_lengths=prompt, groups=groups)]
         compositions.add(tuple(steps))
         assert steps_per_epoch(chosen, rejected, cfg, 0, groups) + steps_per_epoch(chosen, rejected, cfg, 1, groups) \
@@ -218,11 +218,11 @@ def test_responses_spread_over_ranks_each_once_with_both_sides_of_a_pair_in_one_
     pairs = grouped_token_pairs(30, seed=2)
     chosen, rejected, prompt, groups = plan_inputs(pairs)
     columns = columns_of(pairs)
-    cfg = PlanConfig(max_tokens_per_row=budget, dp_size=world, seed=0, global_batch_pairs=24, prefix_sharing=True,
-                     prompt_groups=True)
+    cfg = PlanConfig(max_tokens_per_row=budget, dp_size=world, seed=0, global_batch_pairs=24,
+                     layout=RowLayout.PROMPT_GROUPS)
     plans = list(iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt, groups=groups))
-    ungrouped = list(iter_plan(chosen, rejected, replace(cfg, prompt_groups=False), 1, prompt_lengths=prompt,
-                               groups=groups))
+    ungrouped = list(iter_plan(chosen, rejected, replace(cfg, layout=RowLayout.PREFIX_SHARED), 1,
+                               prompt_lengths=prompt, groups=groups))
     assert [p.pairs for p in plans] == [p.pairs for p in ungrouped]
     spread = 0
     for plan in plans:
@@ -242,7 +242,7 @@ def test_responses_spread_over_ranks_each_once_with_both_sides_of_a_pair_in_one_
         computed = 0
         for index, row in enumerate(flat):
             assert row.tokens <= budget
-            batch = collate_spread_row(columns, responses, row.responses, 0)
+            batch = collate_row(columns, row.pairs, 0, RowLayout.SPREAD_RESPONSES, responses, row.responses)
             assert batch.computed_tokens == max(row.tokens, 1) == row.computed_tokens or not row.responses
             computed += row.tokens
             touching = np.flatnonzero((sides == index).any(axis=1))
@@ -258,8 +258,7 @@ def test_spread_plans_resume_and_repeat_exactly():
     planning again gives the same rows (invariant 4 with prompt groups spread over ranks)."""
     pairs = grouped_token_pairs(40, seed=5)
     chosen, rejected, prompt, groups = plan_inputs(pairs)
-    cfg = PlanConfig(max_tokens_per_row=900, dp_size=4, seed=3, global_batch_pairs=20, prefix_sharing=True,
-                     prompt_groups=True)
+    cfg = PlanConfig(max_tokens_per_row=900, dp_size=4, seed=3, global_batch_pairs=20, layout=RowLayout.PROMPT_GROUPS)
     whole = list(iter_plan(chosen, rejected, cfg, 2, prompt_lengths=prompt, groups=groups))
     cut = len(whole) // 2 + 1
     tail = list(iter_plan(chosen, rejected, cfg, 2, start_epoch=whole[cut].epoch, start_step=whole[cut].step,
@@ -282,8 +281,7 @@ def test_spreading_balances_the_ranks_where_whole_groups_cannot():
         pairs += [{"prompt_ids": prompt, "chosen_ids": a, "rejected_ids": b}
                   for i, a in enumerate(responses) for b in responses[i + 1:]]
     chosen, rejected, prompt, groups = plan_inputs(pairs)
-    cfg = PlanConfig(max_tokens_per_row=8000, dp_size=8, seed=0, global_batch_pairs=112, prefix_sharing=True,
-                     prompt_groups=True)
+    cfg = PlanConfig(max_tokens_per_row=8000, dp_size=8, seed=0, global_batch_pairs=112, layout=RowLayout.PROMPT_GROUPS)
     stats = pack_stats(chosen, rejected, cfg, prompt_lengths=prompt, groups=groups)
     assert stats["steps"] == 6 and stats["groups"] == 24  # 4 groups a step: whole groups fill 4 ranks of 8
     assert stats["lockstep_utilization"] > 0.95 and stats["rank_balance_min"] > 0.9
@@ -295,8 +293,8 @@ def test_pack_stats_reports_tokens_saved_by_groups():
     chosen, rejected, prompt, groups = plan_inputs(pairs)
     figures = {}
     for grouping in (True, False):
-        cfg = PlanConfig(max_tokens_per_row=4000, dp_size=2, global_batch_pairs=32, prefix_sharing=True,
-                         prompt_groups=grouping)
+        cfg = PlanConfig(max_tokens_per_row=4000, dp_size=2, global_batch_pairs=32,
+                         layout=RowLayout.of(True, True, grouping))
         figures[grouping] = pack_stats(chosen, rejected, cfg, prompt_lengths=prompt, groups=groups)
     shared = int((chosen + rejected - prompt).sum())
     assert figures[False]["real_tokens"] == shared == figures[True]["prefix_shared_tokens"]
@@ -311,8 +309,7 @@ def test_plan_file_and_plan_line_name_the_spread_responses_and_their_copies(tmp_
     holds a side of; the plan line says the prompt tokens copied beside the lock-step utilization."""
     pairs = grouped_token_pairs(12, seed=6)
     chosen, rejected, prompt, groups = plan_inputs(pairs)
-    cfg = PlanConfig(max_tokens_per_row=4000, dp_size=4, global_batch_pairs=40, prefix_sharing=True,
-                     prompt_groups=True)
+    cfg = PlanConfig(max_tokens_per_row=4000, dp_size=4, global_batch_pairs=40, layout=RowLayout.PROMPT_GROUPS)
     plans = list(iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt, groups=groups))
     names = [f"p{i}" for i in range(len(pairs))]
     write_plan_jsonl(plans, tmp_path / "plan.jsonl", pair_ids=names)
@@ -364,7 +361,7 @@ def spread_pairs(tmp_path: Path, tokenizer_folder: Path, world: int, *flags: str
                                       "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "plan"),
                                       *GROUPED_RUN, *flags]), world_size=world)
     counts = []
-    for plan in list(run_plan(setup.prepared, setup.plan_cfg, 1))[:3]:
+    for plan in list(run_plan(setup.prepared, setup.spec.plan.config, 1))[:3]:
         rank = plan.side_rows() // plan.rows_per_rank
         counts.append(int((rank[:, 0] != rank[:, 1]).sum()))
     return counts
@@ -510,8 +507,8 @@ def test_exchanged_sums_give_every_rank_the_one_rank_loss_and_its_share_of_the_g
 
     pairs = grouped_token_pairs(2, seed=8)  # 2 groups for 3 ranks: one is split
     chosen, rejected, prompt, groups = plan_inputs(pairs)
-    cfg = PlanConfig(max_tokens_per_row=4000, dp_size=3, seed=0, global_batch_pairs=len(pairs), prefix_sharing=True,
-                     prompt_groups=True)
+    cfg = PlanConfig(max_tokens_per_row=4000, dp_size=3, seed=0, global_batch_pairs=len(pairs),
+                     layout=RowLayout.PROMPT_GROUPS)
     plan = next(iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt, groups=groups))
     sides = plan.side_rows()
     assert (sides[:, 0] // plan.rows_per_rank != sides[:, 1] // plan.rows_per_rank).any()  # pairs across ranks
@@ -529,7 +526,8 @@ def test_exchanged_sums_give_every_rank_the_one_rank_loss_and_its_share_of_the_g
     monkeypatch.setattr(exchange.dist, "all_reduce", lambda values: written.append(values.clone()))
     ranks = []
     for rows in plan.ranks:
-        batches = [collate_spread_row(columns, plan.responses, row.responses, 0) for row in rows]
+        batches = [collate_row(columns, row.pairs, 0, RowLayout.SPREAD_RESPONSES, plan.responses, row.responses)
+                   for row in rows]
         policies = [forward_logps(model, batch, "sdpa_varlen") for batch in batches]
         exchange.exchange_sides(plan, [(b, [p]) for b, p in zip(batches, policies)], True, "cpu")
         ranks.append((batches, policies))
@@ -551,7 +549,7 @@ def test_exchanged_sums_give_every_rank_the_one_rank_loss_and_its_share_of_the_g
     wide = next(iter_plan(chosen, rejected, replace(cfg, dp_size=len(pairs) * 2), 1, prompt_lengths=prompt,
                           groups=groups))
     dummy = next(rows[0] for rows in wide.ranks if not rows[0].responses)
-    batch = collate_spread_row(columns, wide.responses, dummy.responses, 0)
+    batch = collate_row(columns, dummy.pairs, 0, RowLayout.SPREAD_RESPONSES, wide.responses, dummy.responses)
     policy = forward_logps(model, batch, "sdpa_varlen")
     every = type(policy)(**{name: torch.zeros(2 * wide.num_pairs, dtype=torch.float64)
                             for name in exchange.side_fields(policy)})

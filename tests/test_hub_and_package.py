@@ -20,7 +20,7 @@ from ds_packdpo.data import tokenizer as tokenizer_module
 from ds_packdpo.errors import InputError
 from ds_packdpo.hub import is_hub_id
 from ds_packdpo.model import build
-from ds_packdpo.run.assemble import model_alone, prepare
+from ds_packdpo.run.assemble import model_alone, model_spec, prepare
 from ds_packdpo.run.engines import builtin_ds_configs, load_ds_config
 from ds_packdpo.run.reference import model_fingerprint
 
@@ -66,7 +66,7 @@ def test_a_hub_id_reaches_from_pretrained_unchanged_with_its_revision(offline_hu
         cfg = parse_train_args(flags + (["--revision", revision] if revision else []))
         setup = prepare(cfg, "check")
         models[revision] = model_alone(setup)
-        assert model_fingerprint(setup.cfg, setup.vocab_size, False) == {"hub_id": HUB_ID,
+        assert model_fingerprint(setup.spec.model, setup.vocab_size, False) == {"hub_id": HUB_ID,
                                                                          "commit": COMMITS[revision or "main"]}
     assert {name for name, _, _ in calls} == {"model", "config", "tokenizer"}
     assert all(source == HUB_ID for _, source, _ in calls), calls
@@ -90,9 +90,9 @@ def test_hub_ids_and_local_paths_are_told_apart(tmp_path):
     assert is_hub_id("Qwen/Qwen2.5-0.5B-Instruct") and is_hub_id("gpt2")
     assert not is_hub_id(str(tmp_path)) and not is_hub_id("./model") and not is_hub_id("a/b/c")
     with pytest.raises(InputError, match="no such folder, and not a hub model id"):
-        parse_train_args(["--model", str(tmp_path / "missing")])
+        model_spec(parse_train_args(["--model", str(tmp_path / "missing")]), "fp32")
     with pytest.raises(InputError, match="--revision v1: names a revision of a hub --model"):
-        parse_train_args(["--revision", "v1"])
+        model_spec(parse_train_args(["--revision", "v1"]), "fp32")
 
 
 # ----------------------------------------------------------------------------- the installable package

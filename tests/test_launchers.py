@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 from launching import REPO, SMALL_RUN, cpu_env, free_port, launch_script, read_metrics, run, run_together
+import specs
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
-from ds_packdpo.run.engines import fill_ds_config, load_ds_config, reference_ds_config
+from ds_packdpo.run.engines import load_ds_config, reference_ds_config
 from ds_packdpo.run.launch_group import LaunchOutcome
-from ds_packdpo.run.schedule import run_schedule
 
 LN2 = math.log(2.0)
 COMPARED = ("loss", "grad_norm", "rewards/margins")
@@ -158,7 +158,7 @@ def test_reference_config_offloads_parameters_and_has_no_monitor(tmp_path):
     raw, source = load_ds_config("zero3")
     raw["csv_monitor"] = {"enabled": True, "output_path": "auto", "job_name": "csv"}
     cfg = parse_train_args(["--output-dir", str(tmp_path / "run"), "--dtype", "bf16", "--ref-offload"])
-    policy = fill_ds_config(raw, source, cfg, 2, 64, "cpu", run_schedule(cfg, total_steps=10))
+    policy = specs.ds_config(cfg, raw, source, 2, total_steps=10)
     assert policy["csv_monitor"]["output_path"] == str(tmp_path / "run")  # "auto": under the run's folder
     assert policy["bf16"] == {"enabled": True}
     reference = reference_ds_config(policy, offload=True)

@@ -207,6 +207,7 @@ def test_auto_chunk_is_the_largest_under_half_the_floor_and_is_the_chunk_used(mo
     with the vocabulary; forward_logps runs that many tokens per chunk (counted), with the values of an explicit
     chunk; the flag takes 'auto' or a number and refuses anything else in one line."""
     from ds_packdpo.config import parse_train_args
+    from ds_packdpo.run.assemble import logps_chunk
     from ds_packdpo.errors import InputError
     from ds_packdpo.model import logps
     from ds_packdpo.model.build import build_model
@@ -239,11 +240,11 @@ def test_auto_chunk_is_the_largest_under_half_the_floor_and_is_the_chunk_used(mo
         assert sizes[0] == chunk + 3
     torch.testing.assert_close(auto.logps, explicit.logps, rtol=1e-7, atol=1e-6)  # other chunks: other matmul blocks
 
-    assert parse_train_args([]).logps_chunk == "auto"
-    assert parse_train_args(["--logps-chunk-tokens", "256"]).logps_chunk == 256
+    assert logps_chunk(parse_train_args([])) == "auto"
+    assert logps_chunk(parse_train_args(["--logps-chunk-tokens", "256"])) == 256
     for bad in ("0", "-3", "big", "1.5"):
         with pytest.raises(InputError, match="^--logps-chunk-tokens must be 'auto' or a number >= 1"):
             parse_train_args(["--logps-chunk-tokens", bad])
     config_file = tmp_path / "settings.json"  # a config file may give the count as a JSON number
     config_file.write_text(json.dumps({"logps_chunk_tokens": 96}))
-    assert parse_train_args(["--config", str(config_file)]).logps_chunk == 96
+    assert logps_chunk(parse_train_args(["--config", str(config_file)])) == 96

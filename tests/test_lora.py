@@ -33,7 +33,7 @@ from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.model.logps import forward_logps
 from ds_packdpo.model.lora import LoraSettings, add_adapters, as_reference
 from ds_packdpo.report import loss_max_rel_diff
-from ds_packdpo.run.assemble import prepare, trainable_line
+from ds_packdpo.run.assemble import lora_settings, prepare, trainable_line
 from ds_packdpo.run.checkpoint import LATEST
 from ds_packdpo.run.manifest import write_manifest
 
@@ -51,7 +51,7 @@ def tiny_lora_model(targets: str, vocab: int = 300, **lora_flags: str):
     for key, value in lora_flags.items():
         flags += [f"--{key.replace('_', '-')}", value]
     base = build_model(None, "tiny", vocab, torch.float32, "sdpa")
-    model = add_adapters(base, LoraSettings.of(parse_train_args(flags)), seed=1)
+    model = add_adapters(base, lora_settings(parse_train_args(flags)), seed=1)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
@@ -222,7 +222,7 @@ def test_adapters_off_reference_equals_a_reference_model_and_the_trajectory_igno
 def step_sequence_logps(model, root: Path, step: int) -> torch.Tensor:
     """Per-sequence log-probs of ``model`` (no DeepSpeed) over the pairs of optimizer ``step``, in one packed row."""
     setup = prepare(parse_train_args(train_flags(root, "plan_only")))
-    plan = next(iter(run_plan(setup.prepared, setup.plan_cfg, 1, start_step=step - 1)))
+    plan = next(iter(run_plan(setup.prepared, setup.spec.plan.config, 1, start_step=step - 1)))
     batch = collate_row(setup.prepared.dataset, plan.pairs, setup.pad_token_id)
     with torch.no_grad():
         return forward_logps(model.eval(), batch, "sdpa", impl="plain").logps

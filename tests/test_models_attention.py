@@ -114,7 +114,7 @@ def test_prepare_resolves_dtype_auto_on_cpu(tmp_path):
     cfg = parse_train_args(["--synthetic-pairs", "16", "--max-length", "48", "--cache-dir", str(tmp_path / "c"),
                             "--output-dir", str(tmp_path / "out")])
     setup = prepare(cfg, "train", world_size=1)
-    assert cfg.dtype == "auto" and setup.cfg.dtype == "fp32" and setup.ds_config["bf16"]["enabled"] is False
+    assert cfg.dtype == "auto" and setup.spec.model.dtype == "fp32" and setup.ds_config["bf16"]["enabled"] is False
 
 
 def test_flex_forward_only_is_allowed_on_cpu():

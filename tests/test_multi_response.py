@@ -256,7 +256,7 @@ def test_phase_one_plans_every_pair_of_the_demo_once(tmp_path, tokenizer_dir):
                     world_size=2)
     assert len(setup.prepared.chosen_lengths) == 693
     assert setup.prepared.summary["multi_response"]["pairs_made"] == 693
-    steps = list(run_plan(setup.prepared, setup.plan_cfg, 1))
+    steps = list(run_plan(setup.prepared, setup.spec.plan.config, 1))
     assert sorted(pair for step in steps for pair in step.pairs) == list(range(693))
     assert all((step.side_rows() >= 0).all() for step in steps)  # the rows compute both sides of every pair
 

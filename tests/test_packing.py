@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from ds_packdpo.errors import InputError
 from ds_packdpo.data.plan import (
     PlanConfig,
+    RowLayout,
     _polish,
     _round_karmarkar_karp,
     iter_plan,
@@ -108,7 +109,7 @@ def test_composition_depends_only_on_seed_epoch_and_batch(problem, other_world, 
     reference = compositions(plan(chosen, rejected, cfg, epochs))
     for other in (replace(cfg, dp_size=other_world),
                   replace(cfg, max_tokens_per_row=cfg.max_tokens_per_row + extra_budget),
-                  replace(cfg, packing=False)):
+                  replace(cfg, layout=RowLayout.PADDED)):
         assert compositions(plan(chosen, rejected, other, epochs)) == reference
     assert plan(chosen, rejected, cfg, epochs) == plan(chosen, rejected, cfg, epochs)  # deterministic
     by_epoch = [(e, s, tuple(pairs.tolist())) for e in range(epochs)
@@ -135,7 +136,7 @@ def test_resume_yields_the_rest_of_the_plan(problem, data):
 @given(planning_problems())
 def test_padded_plan_invariants(problem):
     chosen, rejected, cfg, epochs = problem
-    cfg = replace(cfg, packing=False, max_tokens_per_row=1)  # no row budget applies in padded mode
+    cfg = replace(cfg, layout=RowLayout.PADDED, max_tokens_per_row=1)  # no row budget applies in padded mode
     for p in plan(chosen, rejected, cfg, epochs):
         most_pairs = -(-p.num_pairs // cfg.dp_size)  # ranks 0.. get one more when it does not divide
         width = -(-most_pairs // cfg.micro_batch_pairs)
@@ -168,7 +169,7 @@ def test_pair_over_budget_names_the_fix():
         validate_lengths(chosen, rejected, cfg)
     with pytest.raises(InputError, match=r"^pair row-17 needs 5210"):
         validate_lengths(chosen, rejected, cfg, pair_ids=[f"row-{i}" for i in range(30)])
-    validate_lengths(chosen, rejected, replace(cfg, packing=False))  # padded mode has no row budget
+    validate_lengths(chosen, rejected, replace(cfg, layout=RowLayout.PADDED))  # padded mode has no row budget
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -260,7 +261,7 @@ def test_pack_stats_accounts_for_every_token():
     chosen, rejected = rng.integers(1, 300, 50), rng.integers(1, 300, 50)
     cfg = PlanConfig(max_tokens_per_row=1024, dp_size=3, global_batch_pairs=16, micro_batch_pairs=2)
     stats = pack_stats(chosen, rejected, cfg, epochs=2)
-    packed, padded = plan(chosen, rejected, cfg, 2), plan(chosen, rejected, replace(cfg, packing=False), 2)
+    packed, padded = plan(chosen, rejected, cfg, 2), plan(chosen, rejected, replace(cfg, layout=RowLayout.PADDED), 2)
     assert json.loads(json.dumps(stats)) == stats
     assert stats["real_tokens"] == 2 * int((chosen + rejected).sum())
     assert stats["steps"] == len(packed) == 8
@@ -364,7 +365,7 @@ def test_prefix_sharing_counts_each_prompt_once_and_keeps_the_steps(problem, dat
     """Rows hold P + C + R tokens per pair; the steps' pairs, and so the trajectory, are those without sharing."""
     chosen, rejected, cfg, epochs = problem
     prompt = np.array([data.draw(st.integers(1, int(min(c, r)))) for c, r in zip(chosen, rejected)], dtype=np.int64)
-    shared_cfg = replace(cfg, prefix_sharing=True)
+    shared_cfg = replace(cfg, layout=RowLayout.PREFIX_SHARED)
     shared = plan(chosen, rejected, shared_cfg, epochs, prompt_lengths=prompt)
     assert compositions(shared) == compositions(plan(chosen, rejected, cfg, epochs))
     tokens = chosen + rejected - prompt
@@ -377,15 +378,15 @@ def test_prefix_sharing_counts_each_prompt_once_and_keeps_the_steps(problem, dat
     p = shared[0]
     assert plan_step(p.pairs, chosen, rejected, shared_cfg, p.epoch, p.step, prompt_lengths=prompt) == p
     # a padded plan ignores the setting (padded rows hold whole sequences)
-    padded = replace(shared_cfg, packing=False)
-    assert plan(chosen, rejected, padded, epochs) == plan(chosen, rejected, replace(cfg, packing=False), epochs)
+    padded = replace(shared_cfg, layout=RowLayout.PADDED)
+    assert plan(chosen, rejected, padded, epochs) == plan(chosen, rejected, replace(cfg, layout=RowLayout.PADDED), epochs)
     with pytest.raises(ValueError, match="prompt lengths"):
         plan(chosen, rejected, shared_cfg, epochs)
 
 
 def test_prefix_sharing_budget_message_and_pack_stats():
     chosen, rejected, prompt = np.array([90, 30, 50]), np.array([70, 40, 60]), np.array([60, 10, 45])
-    cfg = PlanConfig(max_tokens_per_row=100, global_batch_pairs=3, prefix_sharing=True)
+    cfg = PlanConfig(max_tokens_per_row=100, global_batch_pairs=3, layout=RowLayout.PREFIX_SHARED)
     with pytest.raises(InputError, match=r"^pair 0 needs 100 tokens \(prompt 60 \+ chosen 30 \+ rejected 10, the "
                                          r"prompt shared\) but --max-tokens-per-row is 99; raise"):
         validate_lengths(chosen, rejected, replace(cfg, max_tokens_per_row=99), prompt_lengths=prompt)
@@ -393,5 +394,5 @@ def test_prefix_sharing_budget_message_and_pack_stats():
     assert stats["prefix_sharing"] and stats["sequence_tokens"] == 340 and stats["real_tokens"] == 340 - 115
     assert stats["prompt_tokens_shared"] == 115 and stats["prefix_sharing_ideal_speedup"] == pytest.approx(340 / 225)
     assert stats["padded_utilization"] == pytest.approx(340 / stats["padded_computed_tokens"])
-    unshared = pack_stats(chosen, rejected, replace(cfg, prefix_sharing=False, max_tokens_per_row=160))
+    unshared = pack_stats(chosen, rejected, replace(cfg, layout=RowLayout.PACKED, max_tokens_per_row=160))
     assert unshared["prompt_tokens_shared"] == 0 and unshared["prefix_sharing_ideal_speedup"] == 1.0

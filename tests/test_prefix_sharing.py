@@ -167,14 +167,16 @@ def test_phase_one_shares_prefixes_where_the_backend_can(tmp_path, capsys):
                        "train", world_size=1)
 
     default = setup()
-    assert default.prefix_sharing and default.plan_cfg.prefix_sharing and default.model_attn == "sdpa_varlen"
-    assert not setup("--no-prefix-sharing").plan_cfg.prefix_sharing
-    assert not setup("--no-packing").prefix_sharing  # padded batches hold whole sequences
-    assert not setup("--attn", "sdpa", "--no-prefix-sharing").prefix_sharing
+    assert default.spec.row_layout.shares_prefixes and default.spec.plan.config.layout.shares_prefixes
+    assert default.spec.attention.model_attn == "sdpa_varlen"
+    assert not setup("--no-prefix-sharing").spec.plan.config.layout.shares_prefixes
+    assert not setup("--no-packing").spec.row_layout.shares_prefixes  # padded batches hold whole sequences
+    assert not setup("--attn", "sdpa", "--no-prefix-sharing").spec.row_layout.shares_prefixes
     capsys.readouterr()
     # a written --attn that cannot share prefixes turns the default off, in one warning line
     chosen = setup("--attn", "sdpa")
-    assert not chosen.prefix_sharing and not chosen.plan_cfg.prefix_sharing and chosen.model_attn == "sdpa"
+    assert not chosen.spec.row_layout.shares_prefixes and not chosen.spec.plan.config.layout.shares_prefixes
+    assert chosen.spec.attention.model_attn == "sdpa"
     sharing_lines = [line for line in capsys.readouterr().err.splitlines() if "prefix sharing" in line]
     assert sharing_lines == ["warning: --attn sdpa: prefix sharing off (sdpa derives its masks from position ids, "
                              "which cannot say [prompt | chosen | rejected]); every prompt runs twice"]

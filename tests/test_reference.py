@@ -41,8 +41,9 @@ def padded_reference_logps(flags: list[str]) -> dict[int, tuple[float, float, in
     from ds_packdpo.data.source import prepare_run_data, tokenizer_and_rows
 
     cfg = parse_train_args(flags)
-    tokenizer, rows = tokenizer_and_rows(cfg)
-    prepared = prepare_run_data(cfg, tokenizer, rows)
+    data = cfg.data_spec()
+    tokenizer, rows = tokenizer_and_rows(data)
+    prepared = prepare_run_data(data.tokenization, tokenizer, rows)
     model = build_model(cfg.model, None, len(tokenizer), torch.float32, "sdpa").eval()
     pad = pad_token_id(tokenizer)
     columns = prepared.dataset
@@ -84,9 +85,9 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
     from ds_packdpo.data.prepare import run_prepare
     from ds_packdpo.data.source import tokenizer_and_rows
 
-    cfg = parse_train_args([*cache, *SMALL_RUN])
-    tokenizer, rows = tokenizer_and_rows(cfg)
-    run_prepare(cfg.data_config(), tokenizer, tmp_path / "pairs.jsonl", rows=rows)
+    data = parse_train_args([*cache, *SMALL_RUN]).data_spec()
+    tokenizer, rows = tokenizer_and_rows(data)
+    run_prepare(data.tokenization, tokenizer, tmp_path / "pairs.jsonl", rows=rows)
     prepared_ids = [json.loads(line)["pair_id"] for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert [r["pair_id"] for r in records] == sorted(prepared_ids) and len(records) == 48
     expected = padded_reference_logps([*cache, *SMALL_RUN])

@@ -19,6 +19,7 @@ import pytest
 import torch
 from deepspeed.runtime import lr_schedules
 from launching import ranks_script, run
+import specs
 from transformers import AutoModelForCausalLM
 
 from ds_packdpo import cli
@@ -32,9 +33,8 @@ from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.model.logps import forward_logps
 from ds_packdpo.model.param_groups import no_decay_names, weight_decay_groups
 from ds_packdpo.run.assemble import prepare
-from ds_packdpo.run.checkpoint import plan_fingerprint
-from ds_packdpo.run.engines import enable_gradient_checkpointing, fill_ds_config, load_ds_config
-from ds_packdpo.run.schedule import run_schedule, start_schedule
+from ds_packdpo.run.engines import enable_gradient_checkpointing, load_ds_config
+from ds_packdpo.run.schedule import start_schedule
 
 
 # ----------------------------------------------------------------------------- LR schedules
@@ -57,7 +57,7 @@ def deepspeed_lrs(flags: list[str], total: int) -> list[list[float]]:
     the run's filled DeepSpeed config describes (built as the engine builds it), on a 2-group optimizer."""
     cfg = parse_train_args(flags)
     raw, source = load_ds_config(cfg.ds_config)
-    ds = fill_ds_config(raw, source, cfg, 1, 64, "cpu", run_schedule(cfg, total))
+    ds = specs.ds_config(cfg, raw, source, 1, total)
     groups = [{"params": [torch.nn.Parameter(torch.zeros(2))], "weight_decay": 0.1},
               {"params": [torch.nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
@@ -96,7 +96,7 @@ def test_schedule_follows_its_closed_form(kind, warmup, floor):
 
 
 def test_warmup_ratio_rounds_up_over_the_plan_total():
-    assert run_schedule(parse_train_args(["--warmup-ratio", "0.1"]), 25).warmup_steps == 3
+    assert specs.schedule(parse_train_args(["--warmup-ratio", "0.1"]), 25).warmup_steps == 3
     lrs = deepspeed_lrs(["--lr", "1e-3", "--warmup-ratio", "0.1", "--lr-scheduler", "cosine"], 25)
     assert [round(lr[0], 12) for lr in lrs[:3]] == [round(1e-3 / 3, 12), round(2e-3 / 3, 12),
                                                     round(closed_form("cosine", 3, 1e-3, 3, 25, 0.0), 12)]
@@ -116,7 +116,7 @@ def test_total_steps_come_from_the_plan(tmp_path):
     assert steps("--global-batch-pairs", "8", "--epochs", "3") == 15
     assert steps("--global-batch-pairs", "8", "--epochs", "3", "--max-steps", "7") == 7
     setup = prepare(parse_train_args([*base, "--tokens-per-step", "2000", "--epochs", "2"]), "train", world_size=2)
-    assert setup.schedule.total_steps == sum(1 for _ in run_plan(setup.prepared, setup.plan_cfg, 2)) > 2
+    assert setup.schedule.total_steps == sum(1 for _ in run_plan(setup.prepared, setup.spec.plan.config, 2)) > 2
 
 
 # ----------------------------------------------------------------------------- parameter groups
@@ -160,7 +160,8 @@ def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer,
 
     def split(*flags: str):
         setup = prepare(parse_train_args([*base, *flags]), "train", world_size=2)
-        trained = {content(setup.prepared, i) for plan in run_plan(setup.prepared, setup.plan_cfg, 2) for i in plan.pairs}
+        trained = {content(setup.prepared, i) for plan in run_plan(setup.prepared, setup.spec.plan.config, 2)
+                   for i in plan.pairs}
         held = setup.held_out.pairs
         held_out = {content(held, i) for i in range(len(held.chosen_lengths))}
         assert sorted(setup.held_out.plan.pairs) == list(range(len(held.chosen_lengths)))  # every held-out pair
@@ -178,8 +179,7 @@ def test_eval_fraction_never_trains_on_a_held_out_pair(tmp_path, demo_tokenizer,
     assert split("--dataset", str(shuffled), "--seed", "7")[1] == held_out
     _, capped, _ = split("--dataset", str(data), "--eval-max-pairs", "5")
     assert len(capped) == 5 and capped <= held_out
-    assert plan_fingerprint(setup.cfg, setup.prepared.fingerprint) != plan_fingerprint(without.cfg,
-                                                                                       without.prepared.fingerprint)
+    assert setup.plan_fingerprint != without.plan_fingerprint
     # pack-stats plans what trains; bench refuses what it would not measure
     assert cli.main(["pack-stats", *base[:-2], "--dataset", str(data), "--world-size", "2", "--eval-fraction",
                      "0.2"]) == 0

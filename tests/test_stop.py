@@ -21,7 +21,7 @@ from test_checkpoint import RUN_SETTINGS, TIMING, flags
 from ds_packdpo import cli
 from ds_packdpo.errors import StoppedError
 from ds_packdpo.run.checkpoint import LATEST
-from ds_packdpo.run.faults import WAIT_FOR_STOP_ENV
+from fault_hooks import WAIT_FOR_STOP_ENV
 from ds_packdpo.run.launch_group import LaunchOutcome, rank_processes
 from ds_packdpo.run.layout import free_port
 from ds_packdpo.run.manifest import MANIFEST_FILE

@@ -125,12 +125,12 @@ def test_the_flags_reach_the_run_forwards_and_the_loss(tmp_path):
     results = {}
     for name, extra in (("plain", []), ("ld", ["--ld-alpha", "0.25"]), ("wpo", ["--use-weighting"])):
         setup = prepare(parse_train_args([*flags, *extra]), "train", world_size=1)
-        model = build_model(None, "tiny", setup.vocab_size, torch.float32, setup.model_attn, seed=0)
+        model = build_model(None, "tiny", setup.vocab_size, torch.float32, setup.spec.attention.model_attn, seed=0)
         run = Run(setup, policy=model, reference=model, sequence_parallel=None)
-        plan = next(iter(run_plan(setup.prepared, setup.plan_cfg, epochs=1)))
+        plan = next(iter(run_plan(setup.prepared, setup.spec.plan.config, epochs=1)))
         batch = run.row_batch(plan.ranks[0][0], plan)
         policy, reference = run.forward_logps(model, batch), run.reference_logps(batch)
-        results[name] = policy, reference, pair_losses(policy, reference, setup.loss_cfg)[0]
+        results[name] = policy, reference, pair_losses(policy, reference, setup.spec.loss)[0]
     plain, ld, wpo = results["plain"], results["ld"], results["wpo"]
     assert plain[0].plain_logps is None and plain[0].wpo_sum is None
     assert ld[0].plain_logps is not None and (ld[0].logps - ld[0].plain_logps).abs().max() > 0.1

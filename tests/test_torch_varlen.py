@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ds_packdpo.config import parse_train_args
+from ds_packdpo.data.plan import RowLayout
 from ds_packdpo.errors import InputError
 from ds_packdpo.model import attention, prefix_attention, torch_varlen
 from ds_packdpo.model.attention import check_model_attention, model_forward_kwargs, resolve_attn, varlen_attention
@@ -89,7 +90,7 @@ def test_matrix_packed_and_shared_rows_equal_eager_alone(monkeypatch, arch):
     alone with eager attention, on sequences longer than the window; Gemma 2 (attention soft-cap) refused."""
     use_torch_varlen_emulation(monkeypatch)
     for shared in (False, True):
-        outcome = matrix_outcome(arch, "torch_varlen", shared_prefix=shared)
+        outcome = matrix_outcome(arch, "torch_varlen", layout=RowLayout.PREFIX_SHARED if shared else RowLayout.PACKED)
         if arch == "gemma2":
             assert outcome["verdict"] == "refused" and "\n" not in outcome["message"]
             assert outcome["message"].startswith("--attn torch_varlen: --model-config tiny-gemma2 (gemma2) soft-caps")
@@ -178,7 +179,8 @@ def test_sequence_parallel_runs_torch_varlen_as_its_local_kernel(monkeypatch, tm
 def test_sdpa_varlen_gives_way_on_cuda_in_half_precision(capsys):
     """sdpa_varlen's shared rows gave non-finite gradients on an H200 in bf16: there the default sharing gives way in
     one warning line and a written --prefix-sharing is refused; fp32, the CPU and the varlen kernels still share."""
-    from ds_packdpo.run.assemble import prefix_sharing_obstacle, settle_prefix_sharing
+    from ds_packdpo.model.attention import prefix_sharing_obstacle
+    from ds_packdpo.run.assemble import settle_row_layout
     from ds_packdpo.run.layout import ParallelLayout
 
     assert prefix_sharing_obstacle("sdpa_varlen", 1, "cuda", "bf16").startswith("sdpa_varlen's prefix-shared rows")
@@ -188,9 +190,13 @@ def test_sdpa_varlen_gives_way_on_cuda_in_half_precision(capsys):
     assert prefix_sharing_obstacle("sdpa_varlen", 2, "cuda", "bf16") is None  # Ulysses' local kernel: its own rule
     layout = ParallelLayout(world_size=1, rank=0, sp_size=1)
     default = parse_train_args(["--synthetic-pairs", "8", "--dtype", "bf16"])
-    assert not settle_prefix_sharing(default, "sdpa_varlen", layout, "cuda").prefix_sharing
+    def settle_prefix_sharing(cfg, attn, layout, device):
+        return settle_row_layout(cfg.row_layout, cfg.is_given("prefix_sharing"), attn, layout, device, cfg.dtype,
+                                 "train")
+
+    assert not settle_prefix_sharing(default, "sdpa_varlen", layout, "cuda").shares_prefixes
     assert capsys.readouterr().err.startswith("warning: --attn sdpa_varlen: prefix sharing off (sdpa_varlen's")
-    assert settle_prefix_sharing(default, "sdpa_varlen", layout, "cpu").prefix_sharing
+    assert settle_prefix_sharing(default, "sdpa_varlen", layout, "cpu").shares_prefixes
     written = parse_train_args(["--synthetic-pairs", "8", "--dtype", "bf16", "--prefix-sharing"])
     with pytest.raises(InputError, match=r"^--attn sdpa_varlen: prefix sharing .* run sdpa_varlen$"):
         settle_prefix_sharing(written, "sdpa_varlen", layout, "cuda")

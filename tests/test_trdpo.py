@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import SMALL_RUN, cpu_env, rank_module, ranks_module, ranks_script, read_metrics, run
+import specs
 from test_bad_input import out_dir, snapshot, tokenizer_dir, train_front  # noqa: F401 (fixtures)
 from test_bad_input import assert_one_line_error
 from test_checkpoint import assert_same_steps, fake_checkpoint
@@ -18,7 +19,8 @@ from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.errors import InputError
 from ds_packdpo.model.build import build_model, tiny_config
-from ds_packdpo.run.checkpoint import LATEST, STATE_FILE, check_resume, plan_fingerprint
+from ds_packdpo.run.assemble import ref_sync
+from ds_packdpo.run.checkpoint import LATEST, STATE_FILE
 from ds_packdpo.run.layout import ParallelLayout
 from ds_packdpo.run.manifest import read_manifest
 from ds_packdpo.run.reference_sync import ReferenceSync, RefSync
@@ -111,12 +113,12 @@ def test_resume_keeps_the_sync_settings_and_the_layout(tmp_path):
         if not tag_dir.exists():
             state = {} if record is None else {"ref_sync": record}
             fake_checkpoint(tag_dir, 2, 2, dtype="fp32", bad_steps=0, **state,
-                            plan_fingerprint=plan_fingerprint(parse_train_args(run_flags), "data"),
+                            plan_fingerprint=specs.fingerprint(parse_train_args(run_flags), "data"),
                             position={"epoch": 0, "epoch_step": 4, "global_step": 4})
             for rank in range(2):  # after the manifest: it lists the fake files, these are only looked for
                 (tag_dir / f"reference_rank{rank}.safetensors").write_bytes(b"")
         cfg = parse_train_args([*run_flags, "--resume", str(tag_dir), *extra])
-        return check_resume(cfg, "data", ParallelLayout(world_size=world_size, zero_stage=3))
+        return specs.resume(cfg, "data", ParallelLayout(world_size=world_size, zero_stage=3))
 
     synced = RefSync(0.6, 512).record()
     assert resume(synced, 2, "--sync-ref-model").global_step == 4
@@ -199,10 +201,10 @@ def test_only_train_mixes_the_reference(tmp_path, no_launch, capsys, demo_tokeni
 
 def test_sync_settings_are_a_unit():
     """The settings' record (a checkpoint's) and the schedule: due after every N-th step only."""
-    sync = RefSync.of(parse_train_args(["--sync-ref-model", "--ref-model-sync-steps", "3"]))
+    sync = ref_sync(parse_train_args(["--sync-ref-model", "--ref-model-sync-steps", "3"]))
     assert [s for s in range(1, 10) if sync.due(s)] == [3, 6, 9]
     assert sync.record() == {"alpha": 0.6, "every": 3}  # TRL's default alpha
-    assert RefSync.of(parse_train_args([])) is None
+    assert ref_sync(parse_train_args([])) is None
 
 
 def test_whole_modules_mix_save_and_load(tmp_path):

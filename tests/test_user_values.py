@@ -15,11 +15,10 @@ import pytest
 
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.errors import InputError
-from ds_packdpo.run.engines import fill_ds_config
-from ds_packdpo.run.schedule import run_schedule
-from ds_packdpo.run.user_values import take_user_values
+from ds_packdpo.run.assemble import with_ds_values
 
 from launching import SMALL_RUN, rank_module, read_metrics, run
+import specs
 
 DP = 2  # data-parallel ranks of the in-process cases
 
@@ -27,8 +26,8 @@ DP = 2  # data-parallel ranks of the in-process cases
 def resolve(flags: list[str], ds: dict, dp: int = DP):
     """(settings, the filled DeepSpeed config) of a run with these flags and this DeepSpeed config."""
     cfg = parse_train_args(flags)
-    cfg, raw = take_user_values(cfg, {"zero_optimization": {"stage": 3}, **ds}, "ds.json", dp)
-    return cfg, fill_ds_config(raw, "ds.json", cfg, dp, 64, "cpu", run_schedule(cfg, 10))
+    cfg, raw = with_ds_values(cfg, {"zero_optimization": {"stage": 3}, **ds}, "ds.json", dp)
+    return cfg, specs.ds_config(cfg, raw, "ds.json", dp, 10)
 
 
 def _params(ds: dict) -> dict:
@@ -107,7 +106,7 @@ def test_a_default_never_contradicts_the_file():
     assert (cfg.lr, cfg.weight_decay, cfg.lr_scheduler, cfg.warmup_steps) == (1e-4, 0.01, "linear", 4)
     assert cfg.min_lr_ratio * cfg.lr == pytest.approx(1e-5, rel=1e-12)
     assert filled["scheduler"]["params"]["warmup_min_lr"] == pytest.approx(1e-5, rel=1e-12)
-    assert run_schedule(cfg, 10).describe() == "linear lr 0.0001 to 1e-05 over 10 steps, warm-up 4 steps"
+    assert specs.schedule(cfg, 10).describe() == "linear lr 0.0001 to 1e-05 over 10 steps, warm-up 4 steps"
     # the issue's command: --lr 1e-3 against the file's 1e-4 is refused, not trained at 1e-4
     with pytest.raises(InputError, match=r"'optimizer.params.lr': 0.0001 and --lr 0.001 differ"):
         resolve(["--lr", "1e-3", "--lr-scheduler", "constant"], {"optimizer": {"params": {"lr": 1e-4}}})
@@ -222,5 +221,5 @@ def test_a_yaml_deepspeed_config_follows_the_rule(tmp_path):
     (tmp_path / "ds.yaml").write_text("zero_optimization:\n  stage: 3\noptimizer:\n  type: AdamW\n  params:\n"
                                       "    lr: 1e-4\n    betas: [0.8, 0.9]\ngradient_clipping: 0.5\n")
     raw, source = load_ds_config(str(tmp_path / "ds.yaml"))
-    cfg, _ = take_user_values(parse_train_args([]), raw, source, DP)
+    cfg, _ = with_ds_values(parse_train_args([]), raw, source, DP)
     assert (cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.max_grad_norm) == (1e-4, 0.8, 0.9, 0.5)

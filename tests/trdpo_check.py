@@ -59,8 +59,8 @@ def main(out_path: str, flags: list[str]) -> None:
     mix_into_reference(sync.pairs, 1.0)
     report["alpha1_weights_equal"] = all(torch.equal(a, b) for a, b in zip(full_parameters(reference).values(),
                                                                            full_parameters(policy).values()))
-    plan = next(run_plan(setup.prepared, setup.plan_cfg, 1))
-    batch = run.row_batch(plan.ranks[setup.layout.dp_rank][0], plan)
+    plan = next(run_plan(setup.prepared, setup.spec.plan.config, 1))
+    batch = run.row_batch(plan.ranks[setup.spec.layout.dp_rank][0], plan)
     with torch.no_grad():
         ref_logps = run.reference_logps(batch).logps
         pol_logps = run.forward_logps(run.policy, batch).logps

@@ -18,14 +18,44 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..console import say_warning
 from ..errors import InputError
-from .prepare import PreparedPairs
+from .prepare import DataConfig, PreparedPairs
 
 _HASH_SPAN = float(2 ** 64)  # the first 8 bytes of a SHA-256, as an unsigned integer
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """The held-out evaluation of a run: which pairs (a fraction of --dataset by content, or --eval-dataset), how many
+    of them, and how often it runs (run/evaluation.py)."""
+
+    fraction: float | None  # --eval-fraction
+    dataset: DataConfig | None  # --eval-dataset, tokenized like --dataset (its first max_pairs pairs)
+    max_pairs: int | None  # --eval-max-pairs
+    steps: int | None  # --eval-steps: every N optimizer steps (always after the last one too)
+
+    def __post_init__(self):
+        if self.fraction is not None and self.dataset is not None:
+            raise InputError("--eval-dataset and --eval-fraction are exclusive: evaluate on another dataset or on "
+                             "a held-out part of --dataset")
+        if not self.held_out:
+            for name, value in (("eval-steps", self.steps), ("eval-max-pairs", self.max_pairs)):
+                if value is not None:
+                    raise InputError(f"--{name} needs a held-out set: --eval-dataset or --eval-fraction")
+
+    @property
+    def held_out(self) -> bool:
+        """Whether the run holds pairs out of training to evaluate on."""
+        return self.fraction is not None or self.dataset is not None
+
+    def due(self, global_step: int, last: bool) -> bool:
+        """Evaluate after this step: every --eval-steps, and after the last step of the run."""
+        return last or bool(self.steps) and global_step % self.steps == 0
 
 
 def content_positions(prepared: PreparedPairs) -> np.ndarray:

@@ -26,12 +26,17 @@ trajectory never depends on how the work is laid out (DESIGN.md, invariants 2-4)
 Rows are ordered heaviest first on every rank, so the peak memory is hit on the first
 micro-step.
 
-With prefix sharing (``PlanConfig.prefix_sharing``: packed rows hold each pair as
+How a row holds its pairs is one value, :class:`RowLayout`, decided once for the run and
+carried here (``PlanConfig.layout``) and to the collate functions (``model/collate.py``
+looks its function up by it).  With prefix sharing (packed rows hold each pair as
 ``[prompt | chosen | rejected]``) a pair takes P + C + R tokens of its row and attention
-term (P + C)^2 + R (P + R) (:func:`pair_tokens`, :func:`pair_attention_sq`); the steps'
-pairs (layer 1) are the same either way.  With prompt groups (``PlanConfig.prompt_groups``) a step
-whose prompts repeat takes layers 2-3 from ``data/response_spread.py``: its distinct responses are
-the items, spread over the ranks within row slots, each prompt copied per row (``StepPlan.responses``).
+term (P + C)^2 + R (P + R) (:func:`pair_tokens`, :func:`pair_attention_sq`); with prompt
+groups a row holds each prompt group's prompt and responses once; the steps' pairs
+(layer 1) are the same in every layout.  In the prompt-groups layout a step whose prompts
+repeat takes layers 2-3 from ``data/response_spread.py``: its distinct responses are the
+items, spread over the ranks within row slots, each prompt copied per row holding one of
+them; the step's rows are then in the spread-responses layout (``StepPlan.responses``,
+``StepPlan.row_layout``).
 
 Planning a step looks at that step's pairs only, so resuming from (epoch, step) is
 skipping.  numpy only: no torch, nothing distributed.
@@ -39,6 +44,7 @@ skipping.  numpy only: no torch, nothing distributed.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import json
 import math
@@ -57,6 +63,47 @@ from .prompt_groups import PairGroups, group_permutation
 from .response_spread import StepResponses, spread_step, step_responses
 
 
+class RowLayout(enum.Enum):
+    """How a row holds its pairs: one value per run, decided in phase one (the flags, and whether the attention
+    backend can run it), carried by the plan and the run's settings; each has its collate function."""
+
+    PADDED = "padded"  # right-padded micro-batches of --micro-batch-pairs pairs, dealt by count (the baseline)
+    PACKED = "packed"  # pairs concatenated padding-free under the row budget, every sequence whole
+    PREFIX_SHARED = "prefix-shared"  # packed, each pair [prompt | chosen | rejected]: its prompt once
+    PROMPT_GROUPS = "prompt-groups"  # prefix-shared, the pairs of a row with one prompt as [prompt | r1 | ... | rk]
+    # A step's layout, never a run's: the prompt-groups layout's steps whose prompts repeat, their responses the unit
+    # spread over ranks (data/response_spread.py); a row holds responses, each prompt once per row holding one of them,
+    # and a pair's sides may sit on different ranks (their sums exchanged, run/response_exchange.py).
+    SPREAD_RESPONSES = "spread-responses"
+
+    @classmethod
+    def of(cls, packing: bool, prefix_sharing: bool, prompt_groups: bool) -> RowLayout:
+        """The layout the three flags ask for (sharing needs packing, groups need sharing)."""
+        if not packing:
+            return cls.PADDED
+        if not prefix_sharing:
+            return cls.PACKED
+        return cls.PROMPT_GROUPS if prompt_groups else cls.PREFIX_SHARED
+
+    @property
+    def packed(self) -> bool:
+        return self is not RowLayout.PADDED
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Each prompt once per pair or group (the lengths functions then need the prompt lengths)."""
+        return self in (RowLayout.PREFIX_SHARED, RowLayout.PROMPT_GROUPS, RowLayout.SPREAD_RESPONSES)
+
+    @property
+    def groups_prompts(self) -> bool:
+        return self in (RowLayout.PROMPT_GROUPS, RowLayout.SPREAD_RESPONSES)
+
+    @property
+    def spreads_responses(self) -> bool:
+        """A row holds responses, not whole pairs (``Row.responses``, ``StepPlan.responses``)."""
+        return self is RowLayout.SPREAD_RESPONSES
+
+
 @dataclass(frozen=True)
 class PlanConfig:
     max_tokens_per_row: int
@@ -66,10 +113,8 @@ class PlanConfig:
     tokens_per_step: int | None = None
     drop_last: bool = False
     attention_weight: float = 0.0
-    packing: bool = True
+    layout: RowLayout = RowLayout.PACKED
     micro_batch_pairs: int = 1  # padded mode only
-    prefix_sharing: bool = False  # packed rows hold each prompt once (the lengths functions then need prompt lengths)
-    prompt_groups: bool = False  # with prefix sharing: a row holds each prompt group once (data/prompt_groups.py)
 
 
 class Row(NamedTuple):  # immutable like a frozen dataclass, built ~2x faster (a plan makes ~10^6 of them)
@@ -112,6 +157,10 @@ class StepPlan:
     def rank_computed_tokens(self) -> tuple[int, ...]:
         return tuple(sum([row.computed_tokens for row in rows]) for rows in self.ranks)
 
+    def row_layout(self, run_layout: RowLayout) -> RowLayout:
+        """The layout of this step's rows in a run of ``run_layout``: spread responses where the plan spread them."""
+        return RowLayout.SPREAD_RESPONSES if self.responses is not None else run_layout
+
     def side_rows(self) -> np.ndarray:
         """[N, 2] the row (``rank * rows_per_rank + index``) computing each pair's chosen and rejected, pairs in
         ``self.pairs`` order; -1 where no row does.  A pair's two sides share a row, or with prompt groups a slot."""
@@ -152,7 +201,7 @@ def _check_config(cfg: PlanConfig) -> None:
     at_least(cfg.dp_size, 1, "data-parallel size (number of rank shares)")
     at_least(cfg.seed, 0, "--seed")
     at_least(cfg.micro_batch_pairs, 1, "--micro-batch-pairs")
-    if cfg.packing:
+    if cfg.layout.packed:
         at_least(cfg.max_tokens_per_row, 2, "--max-tokens-per-row")
     if not (isinstance(cfg.attention_weight, (int, float)) and math.isfinite(cfg.attention_weight)
             and cfg.attention_weight >= 0):
@@ -220,9 +269,9 @@ def validate_lengths(chosen_lengths, rejected_lengths, cfg: PlanConfig, pair_ids
         if lengths.min() < 1:
             i = int(np.argmin(lengths))
             raise InputError(f"{name(i)}: {what} has {int(lengths[i])} tokens; every sequence needs at least 1")
-    sharing = cfg.packing and cfg.prefix_sharing
+    sharing = cfg.layout.shares_prefixes
     tokens = pair_tokens(chosen, rejected, prompt_lengths, sharing)
-    if cfg.packing and tokens.max() > cfg.max_tokens_per_row:
+    if cfg.layout.packed and tokens.max() > cfg.max_tokens_per_row:
         i = int(np.argmax(tokens))
         too_long = int(np.count_nonzero(tokens > cfg.max_tokens_per_row))
         others = {1: "", 2: "; 1 more pair exceeds it"}.get(too_long, f"; {too_long - 1} more pairs exceed it")
@@ -487,8 +536,8 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
     world, budget = cfg.dp_size, cfg.max_tokens_per_row
     c, r = chosen[step_pairs], rejected[step_pairs]
     p = None if prompt is None else prompt[step_pairs]
-    tokens = pair_tokens(c, r, p, cfg.prefix_sharing)
-    cost = tokens + cfg.attention_weight * pair_attention_sq(c, r, p, cfg.prefix_sharing).astype(np.float64)
+    tokens = pair_tokens(c, r, p, cfg.layout.shares_prefixes)
+    cost = tokens + cfg.attention_weight * pair_attention_sq(c, r, p, cfg.layout.shares_prefixes).astype(np.float64)
     heaviest_first = np.argsort(-cost, kind="stable")
     slots = _slot_count_floor(tokens, world, budget)
     while (row := _aligned_rows(heaviest_first, tokens, cost, world, slots, budget)) is None:
@@ -510,7 +559,7 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
 def _spreads_groups(step_pairs: np.ndarray, cfg: PlanConfig, groups: PairGroups | None) -> bool:
     """The step is laid out by response (data/response_spread.py): prompt groups are on and a prompt repeats in it
     (else its pairs' own plan, exactly the plan without groups)."""
-    return (groups is not None and cfg.packing and cfg.prefix_sharing and cfg.prompt_groups
+    return (groups is not None and cfg.layout.groups_prompts
             and np.unique(groups.group[step_pairs]).size < step_pairs.size)
 
 
@@ -584,16 +633,16 @@ def _plan_step(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray,
     if _spreads_groups(step_pairs, cfg, groups):
         ranks, responses, copies = _spread_ranks(step_pairs, chosen, rejected, prompt, cfg, groups)
     else:
-        ranks = (_packed_ranks if cfg.packing else _padded_ranks)(step_pairs, chosen, rejected, prompt, cfg)
+        ranks = (_packed_ranks if cfg.layout.packed else _padded_ranks)(step_pairs, chosen, rejected, prompt, cfg)
     return StepPlan(epoch, step, tuple(step_pairs.tolist()), tuple(tuple(rows) for rows in ranks), responses, copies)
 
 
 def _as_prompts(prompt_lengths, cfg: PlanConfig) -> np.ndarray | None:
     """The prompt lengths as an int array when the rows share prefixes (else unused: None)."""
-    if not (cfg.packing and cfg.prefix_sharing):
+    if not cfg.layout.shares_prefixes:
         return None
     if prompt_lengths is None:
-        raise ValueError("PlanConfig.prefix_sharing needs the prompt lengths")
+        raise ValueError(f"the {cfg.layout.value} layout needs the prompt lengths")
     return np.asarray(prompt_lengths, dtype=np.int64)
 
 
@@ -616,8 +665,8 @@ def iter_plan(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int, st
 
     Validates everything before the first step is planned, so a bad setting fails at once.
     Resuming from (epoch, step) yields exactly the tail of the uninterrupted plan.  ``prompt_lengths``
-    are needed when the rows share prefixes (``cfg.prefix_sharing``); ``groups`` (the data's prompt groups) make
-    the group the unit of the steps and, with ``cfg.prompt_groups``, of the rows.
+    are needed when the rows share prefixes (``cfg.layout``); ``groups`` (the data's prompt groups) make
+    the group the unit of the steps and, in the prompt-groups layout, of the rows.
     """
     prompt = _as_prompts(prompt_lengths, cfg)
     validate_lengths(chosen_lengths, rejected_lengths, cfg, prompt_lengths=prompt)
@@ -645,7 +694,8 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
                groups: PairGroups | None = None) -> dict:
     """Quality of the packed plan next to the padded baseline on the same steps (the ``pack-stats`` command).
 
-    real_tokens: the tokens of the packed rows (each prompt once with ``cfg.prefix_sharing``).
+    real_tokens: the tokens of the packed rows (each prompt once when ``cfg.layout`` shares prefixes; the
+      packed layout when ``cfg.layout`` is padded).
     lockstep_utilization (the headline): real tokens / (world * sum over row slots of the largest row),
       packed -- the figure that matters under ZeRO-3, where ranks run row i together.
     utilization (rank balance): mean over steps of mean-rank-tokens / max-rank-tokens (packed; 1 = balanced).
@@ -665,7 +715,8 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
     world = cfg.dp_size
     started = time.perf_counter()
     rank_tokens, rows_per_rank, lockstep, dummy_rows, copies = [], [], 0, 0, 0
-    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, packing=True), epochs,
+    packed = cfg.layout if cfg.layout.packed else RowLayout.PACKED
+    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, layout=packed), epochs,
                           prompt_lengths=prompt_lengths, groups=groups):
         copies += plan.prompt_copy_tokens
         rank_tokens.append(plan.rank_tokens)
@@ -674,7 +725,8 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
         dummy_rows += sum(1 for rows in plan.ranks for row in rows if not row.pairs)
     planning_seconds = time.perf_counter() - started
     padded_rank_computed, padded_rows_per_rank, step_sequence_tokens = [], [], []
-    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, packing=False), epochs, groups=groups):
+    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, layout=RowLayout.PADDED), epochs,
+                          groups=groups):
         padded_rank_computed.append(plan.rank_computed_tokens)
         padded_rows_per_rank.append(plan.rows_per_rank)
         step_sequence_tokens.append(sum(plan.rank_tokens))
@@ -691,7 +743,7 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
     grouping = {}
     if groups is not None and prompt_lengths is not None:
         shared = int(pair_tokens(chosen_lengths, rejected_lengths, prompt_lengths, True).sum()) * epochs
-        grouping = {"prompt_groups": cfg.prompt_groups, "groups": groups.count, "prefix_shared_tokens": shared,
+        grouping = {"prompt_groups": cfg.layout.groups_prompts, "groups": groups.count, "prefix_shared_tokens": shared,
                     "prompt_groups_ideal_speedup": shared / real_tokens, "prompt_copy_tokens": copies}
     return {
         "pairs": int(len(chosen_lengths)),
@@ -703,7 +755,7 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
         "tokens_per_step": cfg.tokens_per_step,
         "attention_weight": cfg.attention_weight,
         "micro_batch_pairs": cfg.micro_batch_pairs,
-        "prefix_sharing": cfg.prefix_sharing,
+        "prefix_sharing": cfg.layout.shares_prefixes,
         "real_tokens": real_tokens,
         "sequence_tokens": sequence_tokens,
         "prompt_tokens_shared": sequence_tokens - real_tokens,

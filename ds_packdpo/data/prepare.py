@@ -87,17 +87,14 @@ class DataConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise InputError(f"{key} must be >= 1, got {value}")
+        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
+            raise InputError(f"--max-prompt-length ({self.max_prompt_length}) must be below --max-length "
+                             f"({self.max_length})")
 
     @property
     def cache_path(self) -> Path:
         """The cache folder (``cache_dir``, or the default under the home folder), user-expanded."""
         return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()
-
-    @classmethod
-    def from_settings(cls, settings, **overrides) -> DataConfig:
-        """The data fields of any settings object with the same attribute names (e.g. the run's TrainConfig)."""
-        values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(cls) if hasattr(settings, f.name)}
-        return cls(**{**values, **overrides})
 
 
 @dataclass

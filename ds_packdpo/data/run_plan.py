@@ -1,4 +1,4 @@
-"""The plan of one run: its PlanConfig for a parallel layout, checked against the tokenized pairs.
+"""The plan of one run: its settings (:class:`PlanSpec`) for a parallel layout, checked against the tokenized pairs.
 
 ``train`` (every rank and the front command), ``bench``, ``precompute-ref`` and
 ``pack-stats`` all plan through :func:`checked_plan_config`, so pack-stats shows exactly
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,6 +18,17 @@ from ..errors import InputError
 from .plan import PlanConfig, StepPlan, iter_plan, pair_tokens, steps_per_epoch, validate_lengths, warn_if_ranks_idle
 from .prepare import PreparedPairs
 from .prompt_groups import PairGroups, pair_groups
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """A run's plan: the planner's settings at the run's layout, one rank's share of a row, the epochs, the last
+    step."""
+
+    config: PlanConfig  # its max_tokens_per_row is a whole row: row_budget x the sequence-parallel size
+    row_budget: int  # tokens of one rank's share of a row (--max-tokens-per-row, or its auto default)
+    epochs: int
+    max_steps: int | None  # stop after this many optimizer steps (None: every step of every epoch)
 
 
 def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int, sp_size: int, pair_ids,
@@ -51,27 +63,27 @@ def run_plan(prepared: PreparedPairs, plan_cfg: PlanConfig, epochs: int, start_e
                      prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
 
 
-def checked_plan_config(cfg, layout, prepared: PreparedPairs) -> PlanConfig:
-    """``cfg.plan_config(layout)`` once every pair is known to fit its row budget (InputError naming the pair); warns
-    when a step has fewer pairs than data-parallel ranks."""
-    plan_cfg = cfg.plan_config(layout)
+def checked_plan_config(plan: PlanSpec, sp_size: int, prepared: PreparedPairs) -> PlanConfig:
+    """``plan.config`` once every pair is known to fit its row budget (InputError naming the pair); warns when a step
+    has fewer pairs than data-parallel ranks."""
+    plan_cfg = plan.config
     pair_ids = prepared.dataset["pair_id"]
-    if layout.sp_size > 1:
-        check_pairs_fit_group(prepared.chosen_lengths, prepared.rejected_lengths, cfg.row_budget, layout.sp_size,
-                              pair_ids, prepared.prompt_lengths, plan_cfg.prefix_sharing)
+    if sp_size > 1:
+        check_pairs_fit_group(prepared.chosen_lengths, prepared.rejected_lengths, plan.row_budget, sp_size,
+                              pair_ids, prepared.prompt_lengths, plan_cfg.layout.shares_prefixes)
     validate_lengths(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, pair_ids=pair_ids,
                      prompt_lengths=prepared.prompt_lengths)
     warn_if_ranks_idle(len(prepared.chosen_lengths), plan_cfg)
     return plan_cfg
 
 
-def total_steps(cfg, plan_cfg: PlanConfig, prepared: PreparedPairs) -> int:
+def total_steps(plan: PlanSpec, prepared: PreparedPairs) -> int:
     """Optimizer steps of the run: every epoch's steps (--epochs; --tokens-per-step steps differ per epoch), cut at
     --max-steps.  The LR schedule spans them."""
     lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
-    steps = sum(steps_per_epoch(*lengths, plan_cfg, epoch=e, groups=prompt_groups_of(prepared))
-                for e in range(cfg.epochs))
-    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+    steps = sum(steps_per_epoch(*lengths, plan.config, epoch=e, groups=prompt_groups_of(prepared))
+                for e in range(plan.epochs))
+    return min(steps, plan.max_steps) if plan.max_steps else steps
 
 
 def held_out_plan(plan_cfg: PlanConfig, held_out: PreparedPairs) -> StepPlan:
@@ -102,5 +114,5 @@ def plan_figures(plan_cfg: PlanConfig, prepared: PreparedPairs, epochs: int, ste
     grouped = prompt_groups_of(prepared).count < len(prepared.chosen_lengths)  # steps of whole groups: sizes vary
     return {"pairs": pairs, "tokens": real, "rows_per_rank": {"min": min(rows), "max": max(rows)},
             **({"pairs_per_step": {"min": min(step_pairs), "max": max(step_pairs)}} if grouped else {}),
-            **({"prompt_copy_tokens": copies} if plan_cfg.prompt_groups and grouped else {}),
+            **({"prompt_copy_tokens": copies} if plan_cfg.layout.groups_prompts and grouped else {}),
             "lockstep_utilization": real / (plan_cfg.dp_size * lockstep)}

@@ -24,6 +24,10 @@ Two ways get there in transformers 5.x:
   collated batch as flash-attention kwargs, so transformers does not rediscover the
   boundaries from ``position_ids`` (which costs a device->host sync every layer call).
 
+What each backend can do (half precision only, CUDA only, prefix-shared rows, Ulysses'
+local kernel, attention soft-caps, a CPU backward, ...) is one row of :data:`BACKENDS`:
+phase one's refusals and the run-time choices read those fields, nothing else.
+
 flash-attn is an optional extra that cannot even be installed without CUDA; only
 its presence is probed (through transformers, which does not import it).
 
@@ -38,6 +42,9 @@ the one per-sequence kernel ``attend_sequence``; prefix-shared rows in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
@@ -51,23 +58,13 @@ from .sequence_attention import attend_sequence, causal_window_mask, mask_safe_k
 from . import torch_varlen
 from .torch_varlen import TORCH_VARLEN, TORCH_VARLEN_IMPLEMENTATION
 
-FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
 SDPA_VARLEN = "sdpa_varlen"
 # The attn_implementation sdpa_varlen is registered under: transformers applies its sdpa checks to any name that
 # contains "sdpa" (and refuses Gemma 2, whose soft-capping its sdpa lacks), which this kernel does not need.
 VARLEN_IMPLEMENTATION = "ds_packdpo_varlen"
 # The attention_implementation name of DeepSpeed-Ulysses (ds_packdpo.sequence_parallel registers it).
 ULYSSES_ATTN = "ds_packdpo_ulysses"
-# Backends that take the boundaries as cu_seqlens kwargs.
-VARLEN_BACKENDS = (*FLASH_BACKENDS, SDPA_VARLEN, TORCH_VARLEN, ULYSSES_ATTN, *PREFIX_FLASH.values())
-ATTN_CHOICES = ("auto", SDPA_VARLEN, TORCH_VARLEN, "sdpa", "eager", "flex_attention", *FLASH_BACKENDS)
-# Backends whose packed rows (and prefix-shared rows) run this package's kernels, not transformers' masks.
-OWN_KERNELS = {SDPA_VARLEN: VARLEN_IMPLEMENTATION, TORCH_VARLEN: TORCH_VARLEN_IMPLEMENTATION}
-
-
-def attn_implementation(attn: str) -> str:
-    """The ``attn_implementation`` a model is built with for backend ``attn``."""
-    return OWN_KERNELS.get(attn, attn)
+AUTO = "auto"
 
 
 def flash_attention_available(name: str) -> bool:
@@ -76,13 +73,96 @@ def flash_attention_available(name: str) -> bool:
     return bool(probe())
 
 
-def is_flash(attn: str) -> bool:
-    return attn in FLASH_BACKENDS
+def _flash_missing(name: str) -> str | None:
+    if flash_attention_available(name):
+        return None
+    package = "flash-attn" if name == "flash_attention_2" else "flash-attn-3 (flash_attn_interface)"
+    return (f"the {package} package is not installed or too old (pip install flash-attn --no-build-isolation), or "
+            f"use --attn {TORCH_VARLEN}")
 
 
-def runs_half_precision_only(attn: str) -> bool:
-    """The FlashAttention kernels (flash-attn's and torch's) take bf16/fp16 only."""
-    return is_flash(attn) or attn == TORCH_VARLEN
+def _torch_varlen_missing(name: str) -> str | None:
+    if torch_varlen.varlen_kernel() is not None:
+        return None
+    return (f"torch {torch.__version__} has no varlen_attn with window_size (torch >= 2.11 has it); upgrade torch, or "
+            f"use --attn {SDPA_VARLEN}")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One ``--attn`` backend and what it can do.  Phase one's refusals (:func:`resolve_attn`,
+    :func:`check_model_attention`, :func:`prefix_sharing_obstacle`, the sequence-parallel check) and the run-time
+    choices (the model's attention implementation, Ulysses' local kernel) read these fields and nothing else: a new
+    backend is one row of :data:`BACKENDS` (and its kernel)."""
+
+    name: str
+    implementation: str  # the attn_implementation a model is built with
+    half_precision_only: bool = False  # FlashAttention kernels: bf16/fp16
+    cuda_only: bool = False
+    varlen: bool = False  # takes a packed row's boundaries as cu_seqlens kwargs (no mask from position ids)
+    own_kernel: bool = False  # this package's per-sequence kernels: causal and sliding-window layers only
+    prefix_sharing: bool = False  # runs prefix-shared rows ([prompt | chosen | rejected]) at one rank
+    # why its prefix-shared rows are not trusted on CUDA in half precision (None: they are)
+    cuda_half_prefix_caveat: str | None = None
+    shared_implementation: str | None = None  # the attn_implementation of its prefix-shared rows, when not its own
+    ulysses_local: str | None = None  # the backend whose kernel runs locally under Ulysses (None: cannot)
+    no_softcap: str | None = None  # what to say of a layer's attention soft-cap it cannot apply (None: it applies it)
+    backward_on_cpu: bool = True  # has a backward on CPU (training needs one)
+    transformers_flag: str | None = None  # transformers' flag on a model class that supports it
+    missing: Callable[[str], str | None] = lambda name: None  # why this install cannot run it (None: it can)
+
+    def model_implementation(self, sp_size: int, shares_prefixes: bool) -> str:
+        """The model's attention: Ulysses (around this backend) under sequence parallelism, the shared-row variant of
+        a backend that has one for prefix-shared rows, else this backend."""
+        if sp_size > 1:
+            return ULYSSES_ATTN
+        return self.shared_implementation if shares_prefixes and self.shared_implementation else self.name
+
+
+_FLASH = dict(half_precision_only=True, cuda_only=True, varlen=True, prefix_sharing=True,
+              transformers_flag="_supports_flash_attn", missing=_flash_missing)
+BACKENDS: dict[str, AttentionBackend] = {backend.name: backend for backend in (
+    AttentionBackend(SDPA_VARLEN, VARLEN_IMPLEMENTATION, varlen=True, own_kernel=True, prefix_sharing=True,
+                     cuda_half_prefix_caveat=f"{SDPA_VARLEN}'s prefix-shared rows gave non-finite gradients on CUDA in "
+                                             f"half precision (README 'On a GPU'); {TORCH_VARLEN} or flash-attn share "
+                                             f"prefixes there",
+                     ulysses_local=SDPA_VARLEN),
+    AttentionBackend(TORCH_VARLEN, TORCH_VARLEN_IMPLEMENTATION, half_precision_only=True, cuda_only=True, varlen=True,
+                     own_kernel=True, prefix_sharing=True, ulysses_local=TORCH_VARLEN,
+                     no_softcap=f"torch's varlen kernel cannot; use --attn flash_attention_2 (flash-attn >= 2.6) or "
+                                f"{SDPA_VARLEN}",
+                     missing=_torch_varlen_missing),
+    AttentionBackend("sdpa", "sdpa", ulysses_local=SDPA_VARLEN, transformers_flag="_supports_sdpa"),
+    AttentionBackend("eager", "eager"),
+    AttentionBackend("flex_attention", "flex_attention", backward_on_cpu=False, transformers_flag="_supports_flex_attn"),
+    *(AttentionBackend(name, name, shared_implementation=PREFIX_FLASH[name], ulysses_local=name, **_FLASH)
+      for name in ("flash_attention_2", "flash_attention_3")),
+)}
+ATTN_CHOICES = (AUTO, *BACKENDS)
+# auto on CUDA in half precision: the first of these whose probe says it runs here, else sdpa_varlen
+AUTO_ON_CUDA: dict[str, Callable[[], bool]] = {
+    "flash_attention_2": lambda: flash_attention_available("flash_attention_2"),
+    "flash_attention_3": lambda: flash_attention_available("flash_attention_3"),
+    TORCH_VARLEN: lambda: torch_varlen.torch_varlen_available(),
+}
+# The names model_forward_kwargs hands a packed row's boundaries to: the varlen backends, Ulysses and the shared-row
+# implementations (they run other rows through their backend's own path).
+VARLEN_NAMES = (*(b.name for b in BACKENDS.values() if b.varlen), ULYSSES_ATTN, *PREFIX_FLASH.values())
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A run's attention: the backend that runs (--attn resolved), what the model is built with, and whether phase
+    two checks its packed rows against each sequence alone before training (model/guard.py)."""
+
+    backend: str  # a key of BACKENDS
+    model_attn: str  # AttentionBackend.model_implementation for the run's layout and row layout
+    packing_check: bool  # --skip-packing-check turns it off
+
+
+def attn_implementation(attn: str) -> str:
+    """The ``attn_implementation`` a model is built with for backend ``attn`` (or an implementation name itself)."""
+    return BACKENDS[attn].implementation if attn in BACKENDS else attn
 
 
 def resolve_attn(name: str, device_type: str, needs_backward: bool = True, dtype: str = "bf16") -> str:
@@ -99,41 +179,53 @@ def resolve_attn(name: str, device_type: str, needs_backward: bool = True, dtype
     """
     if name not in ATTN_CHOICES:
         raise InputError(f"--attn: unknown backend {name!r} (choices: {', '.join(ATTN_CHOICES)})")
-    if name == "auto":
+    if name == AUTO:
         if device_type == "cuda" and dtype != "fp32":
-            for flash in FLASH_BACKENDS:
-                if flash_attention_available(flash):
-                    return flash
-            if torch_varlen.torch_varlen_available():
-                return TORCH_VARLEN
+            for candidate, runs_here in AUTO_ON_CUDA.items():
+                if runs_here():
+                    return candidate
         return SDPA_VARLEN
-    if runs_half_precision_only(name):
-        if device_type != "cuda":
-            raise InputError(f"--attn {name}: needs a CUDA device, this run is on {device_type} "
-                             f"(use --attn {SDPA_VARLEN}, sdpa, eager or flex_attention)")
-        if dtype == "fp32":
-            raise InputError(f"--attn {name} with --dtype fp32: flash attention kernels run bf16/fp16 only; use "
-                             f"--dtype bf16 (or auto, bf16 on CUDA), or --attn {SDPA_VARLEN} for fp32")
-    if is_flash(name) and not flash_attention_available(name):
-        package = "flash-attn" if name == "flash_attention_2" else "flash-attn-3 (flash_attn_interface)"
-        raise InputError(f"--attn {name}: the {package} package is not installed or too old "
-                         f"(pip install flash-attn --no-build-isolation), or use --attn {TORCH_VARLEN}")
-    if name == TORCH_VARLEN and torch_varlen.varlen_kernel() is None:
-        raise InputError(f"--attn {TORCH_VARLEN}: torch {torch.__version__} has no varlen_attn with window_size "
-                         f"(torch >= 2.11 has it); upgrade torch, or use --attn {SDPA_VARLEN}")
-    if name == "flex_attention" and device_type == "cpu" and needs_backward:
-        raise InputError("--attn flex_attention: torch has no FlexAttention backward on CPU "
+    backend = BACKENDS[name]
+    if backend.cuda_only and device_type != "cuda":
+        raise InputError(f"--attn {name}: needs a CUDA device, this run is on {device_type} "
+                         f"(use --attn {SDPA_VARLEN}, sdpa, eager or flex_attention)")
+    if backend.half_precision_only and dtype == "fp32":
+        raise InputError(f"--attn {name} with --dtype fp32: flash attention kernels run bf16/fp16 only; use "
+                         f"--dtype bf16 (or auto, bf16 on CUDA), or --attn {SDPA_VARLEN} for fp32")
+    missing = backend.missing(name)
+    if missing:
+        raise InputError(f"--attn {name}: {missing}")
+    if not backend.backward_on_cpu and device_type == "cpu" and needs_backward:
+        raise InputError(f"--attn {name}: torch has no FlexAttention backward on CPU "
                          "(training needs one); use --attn sdpa or eager on CPU")
     return name
+
+
+def prefix_sharing_obstacle(attn: str, sp_size: int, device_type: str, dtype: str) -> str | None:
+    """Why ``attn`` cannot run prefix-shared rows here (None: it can).  Every local kernel of Ulysses shares them;
+    transformers' sdpa, eager and flex_attention derive their masks from position ids, which cannot say
+    [prompt | chosen | rejected]; sdpa_varlen's shared rows gave non-finite or huge gradients on CUDA in half
+    precision (H200, torch 2.11, two runs of the matrix) while its kernel alone was exact: not trusted there until
+    understood."""
+    backend = BACKENDS[attn]
+    if sp_size > 1:
+        return None
+    if not backend.prefix_sharing:
+        return f"{attn} derives its masks from position ids, which cannot say [prompt | chosen | rejected]"
+    if device_type == "cuda" and dtype != "fp32":
+        return backend.cuda_half_prefix_caveat
+    return None
+
+
+def prefix_sharing_backends() -> list[str]:
+    """The backends that run prefix-shared rows at one rank (what a refusal names as the way out)."""
+    return [name for name, backend in BACKENDS.items() if backend.prefix_sharing]
 
 
 # ----------------------------------------------------------------------------- what a model's layers need
 
 # Layer kinds the per-sequence kernels implement (transformers' ``config.layer_types`` names).
 KERNEL_LAYER_TYPES = ("full_attention", "sliding_attention")
-# transformers' own flag on the model class for each of its attention backends.
-_TRANSFORMERS_SUPPORT_FLAG = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
-                              "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
 
 
 def _text_config(config):
@@ -173,20 +265,20 @@ def check_model_attention(config, attn: str, where: str) -> None:
     and nothing else: chunked, bidirectional or other layer kinds are refused rather than run as causal.
     """
     text = _text_config(config)
+    backend = BACKENDS[attn]
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)  # None: remote code, unchecked
     name = f"{where} ({getattr(text, 'model_type', '?')})"
-    flag = _TRANSFORMERS_SUPPORT_FLAG.get(attn)
+    flag = backend.transformers_flag
     if flag and model_class is not None and not getattr(model_class, flag, True):
         softcap = getattr(text, "attn_logit_softcapping", None)
         reason = (f"soft-caps its attention scores (attn_logit_softcapping {softcap:g}), which torch's sdpa cannot"
                   if attn == "sdpa" and softcap is not None else f"has no {attn} attention in transformers")
         raise InputError(f"--attn {attn}: {name} {reason}; use --attn {SDPA_VARLEN} or eager")
     softcap = getattr(text, "attn_logit_softcapping", None)
-    if attn == TORCH_VARLEN and softcap is not None:
+    if backend.no_softcap and softcap is not None:
         raise InputError(f"--attn {attn}: {name} soft-caps its attention scores (attn_logit_softcapping "
-                         f"{softcap:g}), which torch's varlen kernel cannot; use --attn flash_attention_2 (flash-attn "
-                         f">= 2.6) or {SDPA_VARLEN}")
-    if attn in OWN_KERNELS:  # also the local kernels of Ulysses (phase one passes them for sequence parallelism)
+                         f"{softcap:g}), which {backend.no_softcap}")
+    if backend.own_kernel:  # also the local kernels of Ulysses (phase one passes them for sequence parallelism)
         other = sorted(set(getattr(text, "layer_types", None) or ()) - set(KERNEL_LAYER_TYPES))
         for feature, present in (("attention_chunk_size", getattr(text, "attention_chunk_size", None)),
                                  ("use_bidirectional_attention", getattr(text, "use_bidirectional_attention", None)),
@@ -218,7 +310,7 @@ def model_forward_kwargs(batch: ModelBatch, attn: str) -> dict:
         kwargs["attention_mask"] = batch.attention_mask
     elif batch.prefix_layout is not None:  # a prefix-shared row: the pair blocks, for model/prefix_attention.py
         kwargs["prefix_layout"] = batch.prefix_layout
-    elif attn in VARLEN_BACKENDS and batch.cu_seqlens is not None:
+    elif attn in VARLEN_NAMES and batch.cu_seqlens is not None:
         kwargs.update(flash_varlen_kwargs(batch.cu_seqlens, batch.max_seqlen))
     return kwargs
 
@@ -285,13 +377,14 @@ def sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     return varlen_attention(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window, softcap=softcap)
 
 
-# backend -> (its packed-row kernel, its prefix-shared-row kernel); a kernel's attention function is built from them.
+# own-kernel backend -> (its packed-row kernel, its prefix-shared-row kernel); its attention function is built from
+# them (and they are Ulysses' local kernels).
 PACKED_KERNELS = {SDPA_VARLEN: (sdpa_segments, shared_prefix_attention),
                   TORCH_VARLEN: (torch_varlen.packed_attention, torch_varlen.shared_prefix_attention)}
 
 
 def _own_kernel_forward(attn: str):
-    """transformers' attention function of ``OWN_KERNELS[attn]``: q/k/v ``[B, H, L, D]`` -> ``([B, L, H, D], None)``.
+    """transformers' attention function of backend ``attn``'s implementation (one of this package's kernels): q/k/v ``[B, H, L, D]`` -> ``([B, L, H, D], None)``.
 
     Without a mask (packed rows) the row's sequence boundaries come from the ``cu_seq_lens_q`` /
     ``max_length_q`` kwargs (``model_forward_kwargs`` passes them) or, failing that, from where
@@ -358,9 +451,10 @@ def _sdpa_varlen_mask(*args, attention_mask=None, **kwargs):
 def register_own_kernels() -> None:
     """Makes the ``attn_implementation`` names of sdpa_varlen and torch_varlen known to transformers (idempotent;
     nothing CUDA is touched)."""
-    for attn, implementation in OWN_KERNELS.items():
-        AttentionInterface.register(implementation, _own_kernel_forward(attn))
-        AttentionMaskInterface.register(implementation, _sdpa_varlen_mask)
+    for backend in BACKENDS.values():
+        if backend.own_kernel:
+            AttentionInterface.register(backend.implementation, _own_kernel_forward(backend.name))
+            AttentionMaskInterface.register(backend.implementation, _sdpa_varlen_mask)
 
 
 register_own_kernels()

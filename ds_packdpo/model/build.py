@@ -8,6 +8,7 @@ tests check that packing is exact (``--model-config tiny-<name>`` builds one).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3
 from ..errors import InputError, first_line
 from ..hub import check_model_source, hub_load_error, is_hub_id
 from .attention import attn_implementation
+from .lora import LoraSettings
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keyed by config.DTYPES (resolved)
 CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
@@ -42,6 +44,51 @@ ARCHITECTURES = {
                                 "shared_expert_intermediate_size": 64}),
 }
 TINY_CONFIGS = {"tiny": "llama", "tiny-qwen2": "qwen2", **{f"tiny-{name}": name for name in ARCHITECTURES}}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The policy (and its reference's weights): where they come from, the precision they run in, the seed of random
+    weights and adapters, LoRA, activation checkpointing."""
+
+    path: str | None  # --model: a local folder or a hub id
+    config: str | None  # --model-config: random weights from a config ('tiny' when neither is given)
+    reference: str | None  # --ref-model: a separate frozen reference (default: the policy's own weights)
+    revision: str | None  # of a hub --model
+    trust_remote_code: bool
+    dtype: str  # fp32 or bf16 (--dtype auto resolved for the device)
+    seed: int  # random weights (policy and reference alike) and the adapters' initialisation
+    lora: LoraSettings | None  # None: every weight trains
+    gradient_checkpointing: bool
+
+    def __post_init__(self):
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"ModelSpec.dtype {self.dtype!r}: resolve --dtype first")
+        if self.path is not None and self.config is not None:
+            raise InputError("--model and --model-config are exclusive: load a folder or build from a config")
+        for name, where in ((self.path, "--model"), (self.reference, "--ref-model")):
+            if name is not None:
+                check_model_source(name, where)
+        if self.revision is not None and (self.path is None or not is_hub_id(self.path)):
+            raise InputError(f"--revision {self.revision}: names a revision of a hub --model, and --model "
+                             f"{self.path or '(none)'} is not a hub id")
+        if self.path is None and self.reference is not None:
+            raise InputError("--ref-model needs --model (a model built from a config is its own reference)")
+
+    @property
+    def built_config(self) -> str:
+        """The config random weights are built from (without --model)."""
+        return self.config or "tiny"
+
+    @property
+    def source(self) -> str:
+        """The flag that names the policy, for messages."""
+        return f"--model {self.path}" if self.path else f"--model-config {self.built_config}"
+
+    @property
+    def name(self) -> str:
+        """The policy's folder, hub id or built config, for reports."""
+        return self.path or self.built_config
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 1024, hidden_size: int = 64, layers: int = 2, heads: int = 4,

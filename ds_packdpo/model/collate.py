@@ -1,4 +1,4 @@
-"""Turn one planned row of preference pairs into model inputs: packed, prefix-shared or padded.
+"""Turn one planned row of preference pairs into model inputs: one collate function per row layout.
 
 Packed (:func:`collate_packed`): all 2P sequences of the row concatenated into one
 ``[1, T]`` row with no padding.  ``position_ids`` restart at 0 for every sequence,
@@ -7,8 +7,13 @@ when called with ``attention_mask=None, use_cache=False``; ``cu_seqlens`` /
 ``max_seqlen`` serve varlen kernels.  Prefix-shared (:func:`collate_shared`): every pair
 once as ``[prompt | chosen | rejected]``, the prompt computed once for both completions;
 its attention (``model/prefix_attention.py``) follows the row's :class:`PrefixLayout`.
-Padded (:func:`collate_padded`): the usual TRL / OpenRLHF batch of 2P right-padded rows,
-the benchmark baseline and the reference of the parity tests.
+Prompt groups (:func:`collate_grouped`): the pairs of a row that share a prompt as one block
+``[prompt | r1 | ... | rk]``, every prompt and distinct response once.  Spread responses
+(:func:`collate_spread`): a row of a step whose prompt groups are spread over ranks holds
+responses, not pairs, laid out as groups, its sums per pair side.  Padded
+(:func:`collate_padded`): the usual TRL / OpenRLHF batch of 2P right-padded rows, the
+benchmark baseline and the reference of the parity tests.  :data:`COLLATE` maps each
+``data.plan.RowLayout`` to its function.
 
 All share one canonical sequence numbering -- sequence 2p is the chosen of local pair p,
 2p+1 its rejected -- and one label rule: ``labels[t]`` is the token position t predicts
@@ -28,7 +33,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from ..data.response_spread import row_sides
+from ..data.plan import RowLayout
+from ..data.response_spread import StepResponses, row_sides
 from ..errors import InputError
 
 IGNORE_INDEX = -100
@@ -383,16 +389,16 @@ def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
     )
 
 
-def collate_spread_row(columns, responses, members: Sequence[int], pad_token_id: int) -> ModelBatch:
-    """The model inputs of a planned row of spread responses (``Row.responses``, indices into ``responses``, a
-    ``StepResponses``), their tokens looked up in the tokenized columns: each unit's prompt once, then its
-    responses here."""
+def collate_spread(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int], pad_token_id: int,
+                   responses: StepResponses | None = None, members: Sequence[int] = ()) -> ModelBatch:
+    """A row of spread responses: ``members`` (``Row.responses``, indices into the step's ``responses``), their
+    tokens taken from ``pairs`` (the row's pairs, ``Row.pairs``: each response's source pair is one of them), laid
+    out as :func:`collate_responses` does: each unit's prompt once, then its responses here."""
     members = np.asarray(members, dtype=np.int64)
     if not members.size:
         return _dummy(pad_token_id, packed=True)
-    sources = responses.source[members]
-    unique, at = np.unique(sources, return_inverse=True)
-    cols = columns[unique.tolist()]
+    of_index = dict(zip(pair_indices, pairs))
+    sources = responses.source[members].tolist()
     side_names = ("chosen_ids", "rejected_ids")
     per_side, positions, shared = row_sides(responses, members)
     units = responses.unit[members]
@@ -400,24 +406,28 @@ def collate_spread_row(columns, responses, members: Sequence[int], pad_token_id:
     ends = np.r_[starts[1:], members.size]
     groups, sides, names = [], [], []
     for start, end in zip(starts.tolist(), ends.tolist()):
-        groups.append((cols["prompt_ids"][at[start]],
-                       [cols[side_names[responses.side[members[k]]]][at[k]] for k in range(start, end)]))
+        groups.append((of_index[sources[start]]["prompt_ids"],
+                       [of_index[sources[k]][side_names[responses.side[members[k]]]] for k in range(start, end)]))
         sides.append(per_side[start:end])
-        names.append(int(sources[start]))
+        names.append(sources[start])
     return collate_responses(groups, sides, positions.tolist(), shared.tolist(), pad_token_id, names)
 
 
-def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, packed: bool = True,
-                shared_prefix: bool = False, grouped: bool = False) -> ModelBatch:
+# the collate function of each row layout (a new layout: a row here and its function above)
+COLLATE = {RowLayout.PADDED: collate_padded, RowLayout.PACKED: collate_packed, RowLayout.PREFIX_SHARED: collate_shared,
+           RowLayout.PROMPT_GROUPS: collate_grouped, RowLayout.SPREAD_RESPONSES: collate_spread}
+
+
+def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, layout: RowLayout = RowLayout.PACKED,
+                responses: StepResponses | None = None, members: Sequence[int] = ()) -> ModelBatch:
     """The model inputs of one planned row: its pairs (positional indices) looked up in the tokenized columns
-    (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), packed (each prompt once with
-    ``shared_prefix``) or padded."""
+    (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), collated in ``layout``; a row of
+    spread responses also takes the step's ``responses`` and the row's ``members`` (``Row.responses``)."""
     indices = list(pair_indices)
     pairs = []
     if indices:
         cols = columns[indices]
         pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
                  for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
-    collate = ((collate_grouped if grouped else collate_shared if shared_prefix else collate_packed) if packed
-               else collate_padded)
-    return collate(pairs, indices, pad_token_id)
+    spread = {"responses": responses, "members": members} if layout.spreads_responses else {}
+    return COLLATE[layout](pairs, indices, pad_token_id, **spread)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..data.plan import pair_attention_sq
+from ..data.plan import RowLayout, pair_attention_sq
 
 
 @dataclass(frozen=True)
@@ -76,23 +76,22 @@ def prepass_flops(model: FlopModel, computed_tokens: float, attention_sq: float)
     return 2.0 * model.matmul_params * computed_tokens + 4.0 * model.layers * model.attn_width * attention_sq
 
 
-def row_attention_sq(pairs, chosen_lengths, rejected_lengths, packed: bool, prompt_lengths=None,
-                     prefix_sharing: bool = False) -> int:
-    """The attention term S of one planned row: sum(L^2) packed (the prefix-shared blocks' term with
-    ``prefix_sharing``), rows x width^2 padded (2 rows per pair)."""
+def row_attention_sq(pairs, chosen_lengths, rejected_lengths, layout: RowLayout, prompt_lengths=None) -> int:
+    """The attention term S of one planned row: sum(L^2) packed (the prefix-shared blocks' term when ``layout``
+    shares prefixes), rows x width^2 padded (2 rows per pair)."""
     if not pairs:
         return 1  # the one-token dummy row
     index = np.asarray(pairs, dtype=np.int64)
     chosen, rejected = np.asarray(chosen_lengths)[index], np.asarray(rejected_lengths)[index]
-    if packed:
-        sharing = packed and prefix_sharing
+    if layout.packed:
+        sharing = layout.shares_prefixes
         prompt = np.asarray(prompt_lengths)[index] if sharing else None
         return int(pair_attention_sq(chosen, rejected, prompt, sharing).sum())
     return int(2 * index.size * int(max(chosen.max(), rejected.max())) ** 2)
 
 
 def response_row_attention_sq(responses, row) -> int:
-    """S of a row of prompt groups (``StepPlan.responses``): each prompt copy P^2, each response R (P + R)."""
+    """S of a row of spread responses (``StepPlan.responses``): each prompt copy P^2, each response R (P + R)."""
     if not row.responses:
         return 1  # the one-token dummy row
     members = np.asarray(row.responses, dtype=np.int64)
@@ -101,31 +100,29 @@ def response_row_attention_sq(responses, row) -> int:
     return int((prompt[first] ** 2).sum() + (length * (prompt + length)).sum())
 
 
-def plan_attention_sq(plan, chosen_lengths, rejected_lengths, packed: bool, prompt_lengths=None,
-                      prefix_sharing: bool = False) -> int:
+def plan_attention_sq(plan, chosen_lengths, rejected_lengths, layout: RowLayout, prompt_lengths=None) -> int:
     """S of a whole step: every row of every rank."""
-    if plan.responses is not None:
+    if plan.row_layout(layout).spreads_responses:
         return sum(response_row_attention_sq(plan.responses, row) for rows in plan.ranks for row in rows)
-    return sum(row_attention_sq(row.pairs, chosen_lengths, rejected_lengths, packed, prompt_lengths, prefix_sharing)
+    return sum(row_attention_sq(row.pairs, chosen_lengths, rejected_lengths, layout, prompt_lengths)
                for rows in plan.ranks for row in rows)
 
 
 class ThroughputMeter:
     """Model TFLOP/s and MFU of one step, for the trainer's per-step log and the bench."""
 
-    def __init__(self, model: FlopModel, chosen_lengths, rejected_lengths, packed: bool, world_size: int,
-                 peak_tflops: float | None, prompt_lengths=None, prefix_sharing: bool = False,
-                 policy_prepass: bool = False):
+    def __init__(self, model: FlopModel, chosen_lengths, rejected_lengths, layout: RowLayout, world_size: int,
+                 peak_tflops: float | None, prompt_lengths=None, policy_prepass: bool = False):
         self.model = model
         self.policy_prepass = policy_prepass  # the step runs the policy once more, without gradients (aot)
         self.lengths = (chosen_lengths, rejected_lengths)
-        self.packed = packed
+        self.layout = layout
         self.world_size = world_size
         self.peak_tflops = peak_tflops
-        self.prompt_lengths, self.prefix_sharing = prompt_lengths, prefix_sharing
+        self.prompt_lengths = prompt_lengths
 
     def attention_sq(self, plan) -> int:
-        return plan_attention_sq(plan, *self.lengths, self.packed, self.prompt_lengths, self.prefix_sharing)
+        return plan_attention_sq(plan, *self.lengths, self.layout, self.prompt_lengths)
 
     def step_flops(self, plan) -> float:
         computed = sum(plan.rank_computed_tokens)

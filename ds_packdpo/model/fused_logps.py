@@ -9,16 +9,15 @@ allows it, and lean otherwise.  Called with ``reduction="none"`` (a log-prob per
 reduction sums in fp64 per sequence) and ``filter_eps=None``: its default skips the gradient of vocabulary
 entries whose probability falls below a threshold, an approximation this trainer does not make.
 
-What it cannot do is given way to (``auto``) or refused in phase one (``fused`` written): a LoRA adapter on
-the lm_head (its low-rank term is not part of the kernel's matmul), a final-logit soft-cap (Gemma: the kernel
-caps its cross-entropy, but the ``logits/*`` metric below assumes a linear head) and a device other than CUDA.
+What it cannot do (``model.logps.LOGPS_IMPLEMENTATIONS``' fused row) is given way to (``auto``) or refused in
+phase one (``fused`` written): a LoRA adapter on the lm_head (its low-rank term is not part of the kernel's
+matmul), a final-logit soft-cap (Gemma: the kernel caps its cross-entropy, but the ``logits/*`` metric below
+assumes a linear head), an lm_head bias and a device other than CUDA.
 """
 
 from __future__ import annotations
 
 import torch
-
-from ..errors import InputError
 
 try:
     from cut_cross_entropy import linear_cross_entropy
@@ -26,42 +25,20 @@ except ImportError:  # the optional extra; Triton needs CUDA
     linear_cross_entropy = None
 
 FUSED = "fused"
-LEAN = "lean"
-AUTO = "auto"
 
 
-def fused_obstacle(device_type: str, final_logit_softcap: float | None, lora_on_head: bool) -> str | None:
-    """Why the fused kernel cannot run this model here (None: it can)."""
+def kernel_missing() -> str | None:
+    """Why this install has no fused kernel (None: it has one)."""
     if linear_cross_entropy is None:
         return "cut-cross-entropy is not installed (pip install -e '.[fused]'; CUDA with Triton only)"
-    if device_type != "cuda":
-        return f"its Triton kernel runs on CUDA only, and this run's device is {device_type}"
-    if final_logit_softcap:
-        return f"the model soft-caps its logits (final_logit_softcapping {final_logit_softcap:g})"
-    if lora_on_head:
-        return "a LoRA adapter on the lm_head adds a low-rank term the kernel's matmul does not hold"
     return None
-
-
-def resolve_logps_impl(requested: str, device_type: str, final_logit_softcap: float | None,
-                       lora_on_head: bool) -> str:
-    """``--logps-impl``: ``auto`` is fused where :func:`fused_obstacle` finds nothing in the way, else lean;
-    a written ``fused`` that cannot run is refused in one line; ``lean`` and ``plain`` as written."""
-    if requested not in (AUTO, FUSED):
-        return requested
-    why = fused_obstacle(device_type, final_logit_softcap, lora_on_head)
-    if requested == AUTO:
-        return LEAN if why else FUSED
-    if why:
-        raise InputError(f"--logps-impl fused: {why}; use --logps-impl lean (or auto)")
-    return FUSED
 
 
 def fused_token_logps(selected: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
                       squares: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(log-prob of each target in fp64, each position's vocabulary-mean logit, WPO's ``log sum_v p_v^2`` in
     fp64 with ``squares`` else None) from the hidden states ``selected`` ``[N, H]`` and the head's ``weight``
-    ``[V, H]``, with no ``[N, V]`` tensor.
+    ``[V, H]``, with no ``[N, V]`` tensor (no entropy or argmax: the kernel holds no logits to take them from).
 
     WPO's term from the kernel's own output: the cross-entropy of the doubled hidden states is that of the doubled
     logits (doubling is exact in floating point), ``CE(2h) = logsumexp(2z) - 2 z_t``, so

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ..errors import InputError
+from . import fused_logps
 from .attention import model_forward_kwargs
 from .fused_logps import FUSED, fused_token_logps
 from .lora import hf_model, split_head
@@ -42,9 +45,10 @@ from .token_weights import TokenWeighting, length_desensitized_sums
 if TYPE_CHECKING:
     from .collate import ModelBatch
 
-__all__ = ["SequenceLogps", "sequence_logps", "model_forward_kwargs", "forward_logps", "completion_token_logps",
-           "lean_token_logps", "lean_lm_head", "final_logit_softcap", "scored_tokens", "auto_chunk_tokens",
-           "LOGPS_IMPLS", "AUTO_CHUNK", "pair_ordered", "TokenWeighting"]
+__all__ = ["SequenceLogps", "TokenLogps", "sequence_logps", "model_forward_kwargs", "forward_logps",
+           "completion_token_logps", "lean_token_logps", "lean_lm_head", "final_logit_softcap", "scored_tokens",
+           "auto_chunk_tokens", "LOGPS_IMPLEMENTATIONS", "resolve_logps_impl", "AUTO_CHUNK", "pair_ordered",
+           "TokenWeighting"]
 
 
 @dataclass
@@ -96,6 +100,15 @@ class SequenceLogps:
     @property
     def rejected_logits_sum(self) -> torch.Tensor:
         return self.logits_sum[1::2]
+
+
+class TokenLogps(NamedTuple):
+    """What a log-prob kernel gives for each scored token (each implementation alike)."""
+
+    logps: torch.Tensor  # [N] float64, log-prob of the target (differentiable)
+    mean_logit: torch.Tensor  # [N] float32, the vocabulary-mean logit (TRL's logits/* metric; detached)
+    log_sum_sq: torch.Tensor | None = None  # [N] float64, WPO's log sum_v p_v^2 when asked for
+    stats: torch.Tensor | None = None  # [N, 2] float64, entropy and target-is-argmax when asked for (not fused)
 
 
 def _target_logps(logits: torch.Tensor, targets: torch.Tensor, squares: bool = False, stats: bool = False):
@@ -197,47 +210,48 @@ def completion_token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tok
     """
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
-    token_logps, mean_logit, _, _ = _plain_logps_at(logits, rows, flat_labels[rows], chunk_tokens)
-    return rows, token_logps, mean_logit
+    scored = _plain_logps_at(logits, rows, flat_labels[rows], chunk_tokens)
+    return rows, scored.logps, scored.mean_logit
 
 
 def _plain_logps_at(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                    squares: bool = False, stats: bool = False):
-    """(log-probs, mean logits, ``log sum_v p_v^2`` or None, ``[entropy, is top-1]`` or None) of ``targets`` at the
-    flat positions ``rows`` of ``logits`` [..., V] (a row may repeat)."""
+                    squares: bool = False, stats: bool = False) -> TokenLogps:
+    """The :class:`TokenLogps` of ``targets`` at the flat positions ``rows`` of ``logits`` [..., V] (a row may
+    repeat): WPO's term with ``squares``, the entropy and argmax hits with ``stats``."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _LabelLogProb.apply(logits.reshape(-1, logits.shape[-1]), rows, targets, chunk_tokens, squares, stats)
+    return TokenLogps(*_LabelLogProb.apply(logits.reshape(-1, logits.shape[-1]), rows, targets, chunk_tokens, squares,
+                                           stats))
 
 
-def _per_sequence(seq, token_logps, mean_logit, num_sequences: int, log_sum_sq=None, token_stats=None) -> SequenceLogps:
+def _per_sequence(seq, scored: TokenLogps, num_sequences: int) -> SequenceLogps:
     """Sums per canonical sequence (``seq``: the sequence of each scored token), accumulated and returned in fp64:
     ``index_add`` adds token by token, and in fp32 a 4,000-nat sum drifted by up to 1.5e-3 nats that way (the
     layouts add a sequence's tokens in different orders); rounding the fp64 sum to fp32 afterwards still cost
     2.6e-4 nats at 512 tokens.  The gradient flows back to the fp32 token log-probs through the cast.  With
-    ``log_sum_sq`` (WPO) also the detached sums of ``log p_t - log sum_v p_v^2``; with ``token_stats`` those of the
+    ``log_sum_sq`` (WPO) also the detached sums of ``log p_t - log sum_v p_v^2``; with ``stats`` those of the
     entropy and of the argmax hits."""
-    zeros = torch.zeros(num_sequences, dtype=torch.float64, device=token_logps.device)
+    zeros = torch.zeros(num_sequences, dtype=torch.float64, device=scored.logps.device)
 
     def summed(values: torch.Tensor) -> torch.Tensor:
         return zeros.index_add(0, seq, values.double())
 
-    wpo_sum = None if log_sum_sq is None else summed(token_logps.detach().double() - log_sum_sq)
-    entropy_sum, top1_sum = (None, None) if token_stats is None else (summed(token_stats[:, 0]),
-                                                                      summed(token_stats[:, 1]))
-    return SequenceLogps(logps=summed(token_logps), tokens=summed(torch.ones_like(token_logps)),
-                         logits_sum=summed(mean_logit), wpo_sum=wpo_sum, entropy_sum=entropy_sum, top1_sum=top1_sum)
+    wpo_sum = None if scored.log_sum_sq is None else summed(scored.logps.detach().double() - scored.log_sum_sq)
+    entropy_sum, top1_sum = (None, None) if scored.stats is None else (summed(scored.stats[:, 0]),
+                                                                       summed(scored.stats[:, 1]))
+    return SequenceLogps(logps=summed(scored.logps), tokens=summed(torch.ones_like(scored.logps)),
+                         logits_sum=summed(scored.mean_logit), wpo_sum=wpo_sum, entropy_sum=entropy_sum,
+                         top1_sum=top1_sum)
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, seq_index: torch.Tensor, num_sequences: int,
                    chunk_tokens: int = 4096) -> SequenceLogps:
     """Per-sequence sums of completion-token log-probs; ``logits`` [N, L, V], labels/seq_index [N, L]."""
     rows, token_logps, mean_logit = completion_token_logps(logits, labels, chunk_tokens)
-    return _per_sequence(seq_index.reshape(-1)[rows], token_logps, mean_logit, num_sequences)
+    return _per_sequence(seq_index.reshape(-1)[rows], TokenLogps(token_logps, mean_logit), num_sequences)
 
 
 # ----------------------------------------------------------------------------- lean: no [T, V] logits
-LOGPS_IMPLS = ("lean", "plain", FUSED)  # "auto" is resolved in phase one (fused_logps.resolve_logps_impl)
 AUTO_CHUNK = "auto"
 # The chunk's logits and gradient may take this share of the stage's floor (:func:`auto_chunk_tokens`); chosen on
 # scripts/bench_logps.py (README, "Lean log-probs").
@@ -380,26 +394,25 @@ def lean_token_logps(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.
     its output soft-capped at ``softcap`` first, as Gemma's forward does."""
     flat_labels = labels.reshape(-1)
     rows = (flat_labels != -100).nonzero().squeeze(1)
-    token_logps, mean_logit, _, _ = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens, softcap)
-    return rows, token_logps, mean_logit
+    scored = _lean_logps_at(hidden, rows, flat_labels[rows], head, chunk_tokens, softcap)
+    return rows, scored.logps, scored.mean_logit
 
 
 def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
-                   chunk_tokens: int, softcap: float | None = None, squares: bool = False, stats: bool = False):
-    """(log-probs, mean logits, ``log sum_v p_v^2`` or None, ``[entropy, is top-1]`` or None) of ``targets`` from
-    the hidden states at the flat
-    positions ``rows`` (a row may repeat: its gradient is summed by ``index_select``'s backward), the logits
-    soft-capped at ``softcap``."""
+                   chunk_tokens: int, softcap: float | None = None, squares: bool = False,
+                   stats: bool = False) -> TokenLogps:
+    """The :class:`TokenLogps` of ``targets`` from the hidden states at the flat positions ``rows`` (a row may
+    repeat: its gradient is summed by ``index_select``'s backward), the logits soft-capped at ``softcap``."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     spans = [slice(start, start + chunk_tokens) for start in range(0, rows.numel(), chunk_tokens)]
     base, adapter = split_head(head)
     if adapter is None:
-        return _as_head_call(
+        return TokenLogps(*_as_head_call(
             base, lambda x, y: _LeanLabelLogProb.apply(x, y, base.weight, base.bias, None, None, base, None, spans,
                                                        softcap, squares, stats),
-            selected, targets)
+            selected, targets))
     low_in = adapter.down(adapter.dropout(selected)) * adapter.scaling
     up = adapter.up
 
@@ -409,7 +422,7 @@ def _lean_logps_at(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tens
                                                                              squares, stats),
                              x, y, z)
 
-    return _as_head_call(base, with_adapter, selected, targets, low_in)
+    return TokenLogps(*_as_head_call(base, with_adapter, selected, targets, low_in))
 
 
 def scored_tokens(batch: ModelBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -454,53 +467,132 @@ def _chunk_for(chunk_tokens: int | str, model, batch: ModelBatch) -> int:
                              torch.empty((), dtype=lm.dtype).element_size())
 
 
+# ----------------------------------------------------------------------------- the implementations
+LEAN, PLAIN, AUTO = "lean", "plain", "auto"
+
+
+def _plain_kernel(model, batch: ModelBatch, attn: str, head, rows, targets, chunk_tokens: int, squares: bool,
+                  stats: bool) -> TokenLogps:
+    logits = model(**model_forward_kwargs(batch, attn)).logits
+    return _plain_logps_at(logits, rows, targets, chunk_tokens, squares, stats)
+
+
+def _lean_kernel(model, batch: ModelBatch, attn: str, head, rows, targets, chunk_tokens: int, squares: bool,
+                 stats: bool) -> TokenLogps:
+    return _lean_logps_at(_final_hidden_states(model, batch, attn), rows, targets, head, chunk_tokens,
+                          final_logit_softcap(model), squares, stats)
+
+
+def _fused_kernel(model, batch: ModelBatch, attn: str, head, rows, targets, chunk_tokens: int, squares: bool,
+                  stats: bool) -> TokenLogps:
+    """The kernel holds no logits to take an entropy or an argmax from (``stats`` gives none)."""
+    hidden = _final_hidden_states(model, batch, attn)
+    selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    # one call of the head module: under ZeRO-3 its weight is gathered once for the row, as the lean path's
+    return TokenLogps(*_as_head_call(head, lambda x, y: fused_token_logps(x, y, head.weight, squares), selected,
+                                     targets))
+
+
+@dataclass(frozen=True)
+class LogpsImplementation:
+    """One ``--logps-impl`` and what it can do: phase one's choice and refusal (:func:`resolve_logps_impl`) and the
+    forward's own check of the model it is handed (:func:`forward_logps`) read these fields.  A new implementation
+    is one row of :data:`LOGPS_IMPLEMENTATIONS` and its kernel."""
+
+    name: str
+    kernel: Callable[..., TokenLogps]  # (model, batch, attn, head, rows, targets, chunk, squares, stats)
+    logits_held: str  # what of the [tokens x vocab] logits exists at once: "row", "chunk" or "none"
+    linear_head: bool = True  # applies the lm_head itself (a model whose logits are more falls back to plain)
+    cuda_only: bool = False
+    final_softcap: bool = True  # applies a final-logit soft-cap (Gemma)
+    head_adapter: bool = True  # holds a LoRA adapter on the lm_head
+    head_bias: bool = True  # holds an lm_head bias
+    missing: Callable[[], str | None] = lambda: None  # why this install has no such kernel (None: it has)
+
+    def head_obstacle(self, final_softcap: float | None, head_adapter: bool, head_bias: bool) -> str | None:
+        """What of the model's head this implementation does not hold (None: nothing)."""
+        if final_softcap and not self.final_softcap:
+            return f"the model soft-caps its logits (final_logit_softcapping {final_softcap:g})"
+        if head_adapter and not self.head_adapter:
+            return "a LoRA adapter on the lm_head adds a low-rank term the kernel's matmul does not hold"
+        if head_bias and not self.head_bias:
+            return "the lm_head has a bias, which the kernel's matmul does not hold"
+        return None
+
+    def obstacle(self, device_type: str, final_softcap: float | None, head_adapter: bool) -> str | None:
+        """Why it cannot run this model here (None: it can), from what phase one knows: the install, the device,
+        the model's config and the LoRA settings."""
+        if self.missing():
+            return self.missing()
+        if self.cuda_only and device_type != "cuda":
+            return f"its Triton kernel runs on CUDA only, and this run's device is {device_type}"
+        return self.head_obstacle(final_softcap, head_adapter, head_bias=False)
+
+
+LOGPS_IMPLEMENTATIONS: dict[str, LogpsImplementation] = {impl.name: impl for impl in (
+    LogpsImplementation(LEAN, _lean_kernel, logits_held="chunk"),
+    LogpsImplementation(PLAIN, _plain_kernel, logits_held="row", linear_head=False),
+    LogpsImplementation(FUSED, _fused_kernel, logits_held="none", cuda_only=True, final_softcap=False,
+                        head_adapter=False, head_bias=False, missing=lambda: fused_logps.kernel_missing()),
+)}
+AUTO_ORDER = (FUSED, LEAN)  # --logps-impl auto: the first that runs here
+
+
+@dataclass(frozen=True)
+class LogpsSpec:
+    """How a run's forwards turn into per-sequence log-probs."""
+
+    impl: str  # a key of LOGPS_IMPLEMENTATIONS (--logps-impl auto resolved)
+    chunk_tokens: int | str  # completion tokens per chunk, or "auto" (auto_chunk_tokens)
+
+
+def resolve_logps_impl(requested: str, device_type: str, final_logit_softcap: float | None,
+                       lora_on_head: bool) -> str:
+    """``--logps-impl``: ``auto`` is the first of :data:`AUTO_ORDER` that runs here; a written implementation that
+    cannot is refused in one line."""
+    if requested == AUTO:
+        return next(name for name in AUTO_ORDER
+                    if LOGPS_IMPLEMENTATIONS[name].obstacle(device_type, final_logit_softcap, lora_on_head) is None)
+    why = LOGPS_IMPLEMENTATIONS[requested].obstacle(device_type, final_logit_softcap, lora_on_head)
+    if why:
+        raise InputError(f"--logps-impl {requested}: {why}; use --logps-impl lean (or auto)")
+    return requested
+
+
 def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK,
-                  impl: str = "lean", weighting: TokenWeighting | None = None) -> SequenceLogps:
+                  impl: str = LEAN, weighting: TokenWeighting | None = None) -> SequenceLogps:
     """One forward of ``model`` (an nn.Module or a DeepSpeed engine) on ``batch``, reduced per sequence.
 
     ``impl="lean"`` never holds the ``[T, V]`` logits, ``"fused"`` (:mod:`.fused_logps`, CUDA) not even a chunk
-    of them; a model whose logits are not just its (soft-capped) lm_head's output falls back to ``plain`` with a
-    warning.
+    of them; a model whose logits are not just its (soft-capped) lm_head's output falls back to ``plain``, a head
+    the implementation does not hold (its :meth:`LogpsImplementation.head_obstacle`) to ``lean``, with a warning.
     ``chunk_tokens``: completion tokens per chunk, or ``"auto"`` (:func:`auto_chunk_tokens`).
     ``weighting``: LD-DPO's weighted sums and WPO's statistic besides (:mod:`.token_weights`).
     """
     weighting = weighting or TokenWeighting()
-    if impl not in LOGPS_IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(LOGPS_IMPLS)}, got {impl!r}")
+    if impl not in LOGPS_IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {', '.join(LOGPS_IMPLEMENTATIONS)}, got {impl!r}")
+    implementation = LOGPS_IMPLEMENTATIONS[impl]
     chunk_tokens = _chunk_for(chunk_tokens, model, batch)
-    head = lean_lm_head(model) if impl != "plain" else None
-    if impl != "plain" and head is None:
+    head = lean_lm_head(model) if implementation.linear_head else None
+    if implementation.linear_head and head is None:
         warnings.warn(f"{impl} log-probs: this model post-processes its logits or has no linear lm_head; "
                       "computing full logits instead", stacklevel=2)
-    if impl == FUSED and head is not None and (split_head(head)[1] is not None or head.bias is not None
-                                               or final_logit_softcap(model) is not None):
-        # phase one refuses a written fused for an adapter or a cap; here the values never go wrong whoever calls
-        warnings.warn("fused log-probs: the lm_head has a bias, an adapter or a final soft-cap, which the fused "
-                      "kernel does not hold; computing lean log-probs instead", stacklevel=2)
-        impl = "lean"
+        implementation = LOGPS_IMPLEMENTATIONS[PLAIN]
+    why = head is not None and implementation.head_obstacle(final_logit_softcap(model),
+                                                            split_head(head)[1] is not None, head.bias is not None)
+    if why:  # phase one refuses what the config tells of it; here the values never go wrong whoever calls
+        warnings.warn(f"{impl} log-probs: the lm_head has a bias, an adapter or a final soft-cap, which the {impl} "
+                      f"kernel does not hold ({why}); computing lean log-probs instead", stacklevel=2)
+        implementation = LOGPS_IMPLEMENTATIONS[LEAN]
     rows, targets, seq = scored_tokens(batch)
-    squares, stats = weighting.wpo, weighting.token_stats
-    if head is None:
-        logits = model(**model_forward_kwargs(batch, attn)).logits
-        token_logps, mean_logit, log_sum_sq, token_stats = _plain_logps_at(logits, rows, targets, chunk_tokens,
-                                                                           squares, stats)
-    elif impl == FUSED:  # the kernel holds no logits to take an entropy or an argmax from
-        hidden = _final_hidden_states(model, batch, attn)
-        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-        # one call of the head module: under ZeRO-3 its weight is gathered once for the row, as the lean path's
-        token_logps, mean_logit, log_sum_sq = _as_head_call(
-            head, lambda x, y: fused_token_logps(x, y, head.weight, squares), selected, targets)
-        token_stats = None
-    else:
-        token_logps, mean_logit, log_sum_sq, token_stats = _lean_logps_at(
-            _final_hidden_states(model, batch, attn), rows, targets, head, chunk_tokens, final_logit_softcap(model),
-            squares, stats)
-    sums = pair_ordered(_per_sequence(seq, token_logps, mean_logit, batch.num_sequences, log_sum_sq, token_stats),
-                        batch)
+    scored = implementation.kernel(model, batch, attn, head, rows, targets, chunk_tokens, weighting.wpo,
+                                   weighting.token_stats)
+    sums = pair_ordered(_per_sequence(seq, scored, batch.num_sequences), batch)
     if weighting.ld_alpha is None:
         return sums
     return dataclasses.replace(sums, plain_logps=sums.logps, logps=length_desensitized_sums(
-        batch, rows, seq, token_logps, weighting.ld_alpha))
+        batch, rows, seq, scored.logps, weighting.ld_alpha))
 
 
 def pair_ordered(per_sequence: SequenceLogps, batch: ModelBatch) -> SequenceLogps:

@@ -51,17 +51,13 @@ class LoraSettings:
     """--lora-r, --lora-alpha, --lora-dropout and --lora-target-modules of a run (r > 0)."""
 
     r: int
-    alpha: float
+    alpha: float  # --lora-alpha, default 2 x r
     dropout: float
     target_modules: str  # ALL_LINEAR, or comma-separated module names
 
-    @classmethod
-    def of(cls, cfg) -> LoraSettings | None:
-        """The settings of a TrainConfig; None for full fine-tuning (--lora-r 0)."""
-        if not cfg.lora_r:
-            return None
-        alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_r
-        return cls(cfg.lora_r, alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    def __post_init__(self):
+        if not [name for name in self.target_modules.split(",") if name.strip()]:
+            raise InputError("--lora-target-modules: no module name given")
 
     @property
     def target_names(self) -> list[str] | str:
@@ -82,13 +78,8 @@ class LoraSettings:
                           bias="none", task_type="CAUSAL_LM")
 
     def as_dict(self) -> dict:
+        """What a checkpoint records of them (a resume must match it)."""
         return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout, "target_modules": self.target_modules}
-
-    @classmethod
-    def record(cls, cfg) -> dict | None:
-        """What a checkpoint records of a run's LoRA settings (None: full fine-tuning); a resume must match it."""
-        settings = cls.of(cfg)
-        return settings.as_dict() if settings else None
 
 
 def require_peft() -> None:

@@ -18,7 +18,8 @@ import torch
 from ..errors import InputError
 from .attention import check_model_attention, sliding_window_of
 from .build import SLIDING_WINDOW, build_model, tiny_config
-from .collate import collate_grouped, collate_packed, collate_padded, collate_shared
+from ..data.plan import RowLayout
+from .collate import COLLATE, collate_padded
 from .guard import synthetic_pairs
 from .logps import forward_logps
 
@@ -77,20 +78,20 @@ def eager_alone(arch: str, dtype: torch.dtype = torch.float32, device: str = "cp
 
 
 def matrix_outcome(arch: str, attn: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                   num_pairs: int = 2, shared_prefix: bool = False, grouped: bool = False) -> dict:
+                   num_pairs: int = 2, layout: RowLayout = RowLayout.PACKED) -> dict:
     """``{"verdict": "refused", "message"}`` or ``{"verdict": "measured", ...}``: the largest log-prob difference
     (absolute, on sums), per completion token, and the largest gradient difference with the gradients' scale.
-    ``shared_prefix`` lays the row out with each pair's prompt once (prefix sharing); ``grouped`` runs the pairs
-    of :func:`matrix_group_pairs` as prompt groups, each response once, against each pair alone."""
+    The row is collated in ``layout``; the prompt-groups layout runs the pairs of :func:`matrix_group_pairs`, each
+    response once, against each pair alone."""
     config = tiny_config(arch, vocab_size=VOCAB)
     try:
         check_model_attention(config, attn, f"--model-config tiny-{arch}")
     except InputError as error:
         return {"arch": arch, "attn": attn, "verdict": "refused", "message": str(error)}
     model = _model(arch, attn, dtype, device)
+    grouped = layout.groups_prompts
     pairs = _pairs(num_pairs, grouped)
-    collate = collate_grouped if grouped else collate_shared if shared_prefix else collate_packed
-    packed = collate(pairs, list(range(len(pairs))), 0).to(device)
+    packed = COLLATE[layout](pairs, list(range(len(pairs))), 0).to(device)
     result = forward_logps(model, packed, attn)  # per pair: 2p chosen, 2p + 1 rejected, in every layout
     (result.logps * _weights(2 * packed.num_pairs, device)).sum().backward()
     grads = [p.grad.float() for p in model.parameters()]

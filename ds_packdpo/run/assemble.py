@@ -1,21 +1,26 @@
 """One assembly for every run: train, each bench configuration, precompute-ref and check build their run here.
 
-Phase one (:func:`prepare`) needs no process group: settings, the parallel layout, the
-DeepSpeed config, the model config, the tokenized data, the plan, the resume point (and
-the universal form of a checkpoint resumed at another layout) and a precomputed
-reference file are all checked, so bad input ends in one line on every
-rank (and in the front ``ds-packdpo train`` process, before any launch) before anything
-heavy starts.  Phase two (:func:`start`) starts the process group, the sequence-parallel
-groups and their attention, the engines (or only the reference, or a precomputed
-reference) and runs the packing guard.  Nothing else builds engines, models or the
-sequence-parallel set-up, so every command runs every layout it accepts the same way.
+The flags (``config.TrainConfig``, flat, as users type them) are resolved here once --
+every ``auto``, the DeepSpeed config's values, the device, the parallel layout, the row
+layout -- into a frozen :class:`RunSpec` of sections, each defined beside the component
+that owns it and validating itself.  Nothing below this module reads the flags: a stage
+takes its section.
+
+Phase one (:func:`prepare`) needs no process group: the settings, the parallel layout,
+the DeepSpeed config, the model config, the tokenized data, the plan, the resume point
+(and the universal form of a checkpoint resumed at another layout) and a precomputed
+reference file are all checked, so bad input ends in one line on every rank (and in the
+front ``ds-packdpo train`` process, before any launch) before anything heavy starts.
+Phase two (:func:`start`) starts the process group, the sequence-parallel groups and
+their attention, the engines (or only the reference, or a precomputed reference) and
+runs the packing guard.  Nothing else builds engines, models or the sequence-parallel
+set-up, so every command runs every layout it accepts the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,38 +28,40 @@ from pathlib import Path
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..config import TrainConfig, resolve_dtype
-from ..console import quiet_libraries
-from ..data.plan import PlanConfig
+from ..config import TrainConfig, resolve_dtype, to_dict
+from ..console import quiet_libraries, say_warning
+from ..data.heldout import EvalSpec
+from ..data.plan import RowLayout
 from ..data.prepare import PreparedPairs
-from ..data.run_plan import checked_plan_config, total_steps
-from ..data.source import prepare_run_data, split_held_out, tokenizer_and_rows
+from ..data.run_plan import PlanSpec, checked_plan_config, total_steps
+from ..data.source import DataSpec, prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
 from ..files import check_not_an_input, replaces
-from ..model.attention import (OWN_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, check_model_attention, is_flash,
-                                resolve_attn)
-from ..model.torch_varlen import TORCH_VARLEN
-from ..model.collate import ModelBatch, collate_row, collate_spread_row
-from ..model.fused_logps import resolve_logps_impl
+from ..model.attention import (BACKENDS, AttentionSpec, check_model_attention, prefix_sharing_backends,
+                                prefix_sharing_obstacle, resolve_attn)
+from ..model.build import ModelSpec
+from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
-from ..model.logps import AUTO_CHUNK, SequenceLogps, TokenWeighting, forward_logps
+from ..model.logps import (AUTO_CHUNK, LEAN, LogpsSpec, SequenceLogps, TokenWeighting, forward_logps,
+                           resolve_logps_impl)
 from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
 from ..model.loss_registry import LossConfig
-from ..model.prefix_attention import PREFIX_FLASH
-from .checkpoint import ResumePoint, check_resume, export_on_end_dir, resolved_save_dir, resumes_in_place
-from .engines import (build_evaluated_policy, build_policy, build_reference, fill_ds_config, load_ds_config, load_model,
-                      model_config, reference_ds_config, reference_model_config, zero_stage)
+from .checkpoint import CheckpointSpec, ResumePoint, check_resume, plan_fingerprint, resumes_in_place
+from .engines import (OptimizerSpec, build_evaluated_policy, build_policy, build_reference, fill_ds_config,
+                      load_ds_config, load_model, model_config, reference_ds_config, reference_model_config,
+                      zero_stage)
 from .evaluation import HeldOut, held_out_set
 from .layout import ParallelLayout
+from .metrics import OutputSpec
 from .process_group import init_process_group
-from .reference import PrecomputedReference, load_precomputed_reference
-from .reference_sync import check_sync_settings
-from .schedule import Schedule, run_schedule
+from .reference import PrecomputedReference, ReferenceSpec, load_precomputed_reference
+from .reference_sync import RefSync, check_sync_settings
+from .schedule import Schedule, ScheduleSpec
 from .sequence_parallel import SequenceParallel, check_attention, check_model_heads, init_sequence_parallel
 from .universal import ensure_universal, with_universal_loading
-from .user_values import check_adam_settings, take_user_values
+from .user_values import check_adam_settings, monitor_names, take_user_values
 
 # What each command builds in phase two: a trained policy (with its reference), or only a frozen reference,
 # or (check) one model in this process with no process group.
@@ -64,39 +71,124 @@ COMMANDS = (*TRAINING_COMMANDS, "eval", "precompute-ref", "check")
 EVALUATING_COMMANDS = (*TRAINING_COMMANDS, "eval")
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """A run's settings, resolved once: a tree of sections, each defined beside the component that owns it and checked
+    there as it is made (against what it needs to know of the others)."""
+
+    command: str
+    device_type: str  # the accelerator's: cuda, cpu, ...
+    layout: ParallelLayout  # run/layout.py: world, data- and sequence-parallel sizes, this rank
+    collective_timeout_s: float  # a stalled collective ends the run after this long (run/process_group.py)
+    model: ModelSpec  # model/build.py: source, precision, seed, LoRA, activation checkpointing
+    reference: ReferenceSpec  # run/reference.py: precomputed log-probs, offload, TR-DPO
+    data: DataSpec  # data/source.py: the dataset, its tokenization, the tokenizer
+    evaluation: EvalSpec  # data/heldout.py: the held-out pairs and how often they are evaluated
+    plan: PlanSpec  # data/run_plan.py: the planner's settings (the row layout among them), epochs, last step
+    loss: LossConfig  # model/loss_registry.py: the losses and their parameters
+    attention: AttentionSpec  # model/attention.py: the backend and what the model is built with
+    logps: LogpsSpec  # model/logps.py: the log-prob implementation and its chunk
+    optimizer: OptimizerSpec  # run/engines.py
+    schedule: ScheduleSpec  # run/schedule.py (its steps come from the plan: RunSetup.schedule)
+    checkpoint: CheckpointSpec  # run/checkpoint.py: saves, resume, export, bad steps
+    outputs: OutputSpec  # run/metrics.py: the run folder, metrics, bars, monitors
+    settings: dict  # the flags as they run (each auto resolved, the DeepSpeed config's values taken): run_config.json
+
+    @property
+    def row_layout(self) -> RowLayout:
+        return self.plan.config.layout
+
+
+# ----------------------------------------------------------------------------- the flags, section by section
+def lora_settings(flags: TrainConfig) -> LoraSettings | None:
+    """--lora-*; None for full fine-tuning (--lora-r 0)."""
+    if not flags.lora_r:
+        return None
+    alpha = flags.lora_alpha if flags.lora_alpha is not None else 2.0 * flags.lora_r
+    return LoraSettings(flags.lora_r, alpha, flags.lora_dropout, flags.lora_target_modules)
+
+
+def model_spec(flags: TrainConfig, dtype: str) -> ModelSpec:
+    return ModelSpec(path=flags.model, config=flags.model_config, reference=flags.ref_model, revision=flags.revision,
+                     trust_remote_code=flags.trust_remote_code, dtype=dtype, seed=flags.seed,
+                     lora=lora_settings(flags), gradient_checkpointing=flags.gradient_checkpointing)
+
+
+def ref_sync(flags: TrainConfig) -> RefSync | None:
+    return RefSync(flags.ref_model_mixup_alpha, flags.ref_model_sync_steps) if flags.sync_ref_model else None
+
+
+def reference_spec(flags: TrainConfig, model: ModelSpec, loss: LossConfig, evaluation: EvalSpec) -> ReferenceSpec:
+    return ReferenceSpec(logps_file=flags.ref_logps, offload=flags.ref_offload, sync=ref_sync(flags),
+                         lora=model.lora is not None, separate_model=model.reference is not None,
+                         loss=loss, held_out_dataset=evaluation.dataset is not None)
+
+
+def optimizer_spec(flags: TrainConfig) -> OptimizerSpec:
+    return OptimizerSpec(name=flags.optimizer, lr=flags.lr, betas=(flags.adam_beta1, flags.adam_beta2),
+                         eps=flags.adam_epsilon, weight_decay=flags.weight_decay, max_grad_norm=flags.max_grad_norm)
+
+
+def schedule_spec(flags: TrainConfig) -> ScheduleSpec:
+    return ScheduleSpec(kind=flags.lr_scheduler, warmup_steps=flags.warmup_steps, warmup_ratio=flags.warmup_ratio,
+                        min_lr_ratio=flags.min_lr_ratio)
+
+
+def checkpoint_spec(flags: TrainConfig) -> CheckpointSpec:
+    output_dir = Path(flags.output_dir)
+    return CheckpointSpec(output_dir=output_dir,
+                          save_dir=Path(flags.save_dir) if flags.save_dir else output_dir / "checkpoints",
+                          save_dir_named=bool(flags.save_dir), save_steps=flags.save_steps,
+                          total_limit=flags.save_total_limit, resume=flags.resume,
+                          allow_new_layout=flags.allow_new_layout, overwrite=flags.overwrite,
+                          export_on_end=flags.export_on_end, max_shard_size=flags.max_shard_size,
+                          max_bad_steps=flags.max_bad_steps)
+
+
+def output_spec(flags: TrainConfig) -> OutputSpec:
+    output_dir = Path(flags.output_dir)
+    return OutputSpec(output_dir=output_dir,
+                      metrics_path=Path(flags.metrics_out) if flags.metrics_out else output_dir / "metrics.jsonl",
+                      overwrite=flags.overwrite, progress=flags.progress, logging_steps=flags.logging_steps,
+                      verbose=flags.verbose, monitors=monitor_names(flags.report_to),
+                      run_name=flags.run_name or output_dir.resolve().name, project=flags.project,
+                      peak_tflops=flags.peak_tflops)
+
+
+def logps_chunk(flags: TrainConfig) -> int | str:
+    """--logps-chunk-tokens as the log-prob stage takes it: a number of tokens, or "auto"."""
+    return flags.logps_chunk_tokens if flags.logps_chunk_tokens == "auto" else int(flags.logps_chunk_tokens)
+
+
+def with_ds_values(flags: TrainConfig, raw: dict, source: str, dp_size: int) -> tuple[TrainConfig, dict]:
+    """(the flags with the values the DeepSpeed config writes, counted as written; the config with "auto" in their
+    places): run/user_values.py's rule, the merged flags checked again as typed ones are."""
+    values, keys, raw = take_user_values(to_dict(flags), flags.given, raw, source, dp_size)
+    if not values:
+        return flags, raw
+    flags = dataclasses.replace(flags, **values, given=flags.given | set(values))
+    try:
+        flags.validate()
+    except InputError as error:
+        raise InputError(f"--ds-config {source}: {error} (after taking {', '.join(keys.values())} from it)") \
+            from None
+    return flags, raw
+
+
+# ----------------------------------------------------------------------------- phase one
 @dataclass
 class RunSetup:
-    """What phase one hands to phase two: validated settings, layout, data and plan."""
+    """What phase one hands to phase two: the run's settings and what they were checked against (data, plan,
+    DeepSpeed config, resume point, reference file)."""
 
-    cfg: TrainConfig
-    command: str
-    layout: ParallelLayout
-    device_type: str
-    attn: str  # the resolved backend (the local attention under sequence parallelism)
+    spec: RunSpec
     ds_config: dict
     tokenizer: object
     prepared: PreparedPairs  # the pairs the run trains on (or computes the reference of)
-    plan_cfg: PlanConfig
-    loss_cfg: LossConfig
     schedule: Schedule  # the LR schedule over the run's total steps
     resume: ResumePoint | None = None  # None: a fresh start
     precomputed: PrecomputedReference | None = None  # the --ref-logps file
     held_out: HeldOut | None = None  # the evaluation's pairs, plan and precomputed reference
-
-    @property
-    def prefix_sharing(self) -> bool:
-        """Rows lay out each pair as [prompt | chosen | rejected] (phase one refused a backend that cannot, except for
-        ``check``, which then checks packing alone)."""
-        return self.cfg.shares_prefixes and runs_prefix_sharing(self.attn, self.layout.sp_size, self.device_type,
-                                                                self.cfg.dtype)
-
-    @property
-    def model_attn(self) -> str:
-        """The model's attn_implementation: Ulysses (around ``attn``) under sequence parallelism; flash-attn with
-        prefix sharing through ``PREFIX_FLASH``."""
-        if self.layout.sp_size > 1:
-            return ULYSSES_ATTN
-        return PREFIX_FLASH[self.attn] if self.prefix_sharing and is_flash(self.attn) else self.attn
 
     @property
     def vocab_size(self) -> int:
@@ -106,160 +198,168 @@ class RunSetup:
     def pad_token_id(self) -> int:
         return pad_token_id(self.tokenizer)
 
+    @property
+    def plan_fingerprint(self) -> str:
+        """What decides which pairs make up each step (a resume must match it: run/checkpoint.py)."""
+        return plan_fingerprint(self.spec.plan.config, self.spec.evaluation.fraction, self.prepared.fingerprint)
 
-def check_output_dir(cfg: TrainConfig) -> None:
-    """A training run writes into an empty folder, its own folder when it resumes, or any with --overwrite."""
-    out = Path(cfg.output_dir)
+
+def check_output_dir(checkpoint: CheckpointSpec, inputs: list[str]) -> None:
+    """A training run writes into an empty folder, its own folder when it resumes, or any with --overwrite; its
+    export replaces none of its ``inputs`` nor its own checkpoints."""
+    out = checkpoint.output_dir
     if out.exists() and not out.is_dir():
         raise InputError(f"--output-dir {out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not cfg.overwrite and not resumes_in_place(cfg):
-        if cfg.resume:
+    if out.is_dir() and any(out.iterdir()) and not checkpoint.overwrite and not resumes_in_place(checkpoint):
+        if checkpoint.resume:
             raise InputError(f"--output-dir {out}: folder is not empty and holds no checkpoint of this run to "
                              "resume; pass --overwrite to write into it")
         raise InputError(f"--output-dir {out}: folder is not empty (pass --overwrite to write into it, or "
                          "--resume auto to continue the run saved there)")
-    if not cfg.export_on_end:
+    if not checkpoint.export_on_end:
         return
     # round two from round one's export: its model, the reference too, replaced at the end
-    check_not_an_input(export_on_end_dir(cfg), "--export-on-end", cfg.local_inputs())
-    if replaces(export_on_end_dir(cfg), resolved_save_dir(cfg)):  # else said at the end, after the training
-        raise InputError(f"--save-dir {cfg.save_dir}: inside {export_on_end_dir(cfg)}, which --export-on-end replaces "
-                         f"with the model exported from it; save elsewhere")
+    check_not_an_input(checkpoint.export_dir, "--export-on-end", inputs)
+    if replaces(checkpoint.export_dir, checkpoint.save_dir):  # else said at the end, after the training
+        raise InputError(f"--save-dir {checkpoint.save_dir}: inside {checkpoint.export_dir}, which --export-on-end "
+                         f"replaces with the model exported from it; save elsewhere")
 
 
-def prefix_sharing_obstacle(attn: str, sp_size: int, device_type: str, dtype: str) -> str | None:
-    """Why ``attn`` cannot run prefix-shared rows here (None: it can).  sdpa_varlen, torch_varlen and flash-attn run
-    them at one rank, every local attention of Ulysses too; transformers' sdpa, eager and flex_attention derive their
-    masks from position ids, which cannot say [prompt | chosen | rejected].  sdpa_varlen's shared rows gave
-    non-finite or huge gradients on CUDA in half precision (H200, torch 2.11, two runs of the matrix) while its
-    kernel alone was exact: not trusted there until understood."""
-    if sp_size > 1 or is_flash(attn) or attn == TORCH_VARLEN:
-        return None
-    if attn == SDPA_VARLEN:
-        if device_type == "cuda" and dtype != "fp32":
-            return (f"{SDPA_VARLEN}'s prefix-shared rows gave non-finite gradients on CUDA in half precision (README "
-                    f"'On a GPU'); {TORCH_VARLEN} or flash-attn share prefixes there")
-        return None
-    return f"{attn} derives its masks from position ids, which cannot say [prompt | chosen | rejected]"
-
-
-def runs_prefix_sharing(attn: str, sp_size: int, device_type: str, dtype: str) -> bool:
-    """Whether ``attn`` runs prefix-shared rows on this device and dtype (:func:`prefix_sharing_obstacle`)."""
-    return prefix_sharing_obstacle(attn, sp_size, device_type, dtype) is None
-
-
-def settle_prefix_sharing(cfg: TrainConfig, attn: str, layout: ParallelLayout, device_type: str) -> TrainConfig:
-    """Prefix sharing is on by default for packed runs; where the backend cannot run it, that default gives way with
-    a one-line warning.  A written --prefix-sharing with such a backend is refused."""
-    why = prefix_sharing_obstacle(attn, layout.sp_size, device_type, cfg.dtype)
-    if not cfg.shares_prefixes or why is None:
-        return cfg
-    if not cfg.is_given("prefix_sharing"):
-        if layout.rank == 0:
-            print(f"warning: --attn {attn}: prefix sharing off ({why}); every prompt runs twice", file=sys.stderr,
-                  flush=True)
-        return dataclasses.replace(cfg, prefix_sharing=False)
+def settle_row_layout(requested: RowLayout, written: bool, attn: str, layout: ParallelLayout, device_type: str,
+                      dtype: str, command: str) -> RowLayout:
+    """The run's row layout: the one the flags ask for, or packing alone where the backend cannot share prefixes.
+    Prefix sharing is on by default for packed runs: that default gives way with a one-line warning, a written
+    --prefix-sharing is refused (``written``), and ``check`` checks packing alone."""
+    why = prefix_sharing_obstacle(attn, layout.sp_size, device_type, dtype) if requested.shares_prefixes else None
+    if why is None:
+        return requested
+    if command == "check":
+        return RowLayout.PACKED
+    if not written:
+        say_warning(f"--attn {attn}: prefix sharing off ({why}); every prompt runs twice")
+        return RowLayout.PACKED
+    able = prefix_sharing_backends()
     raise InputError(f"--attn {attn}: prefix sharing (on by default for packed runs) needs --attn auto, "
-                     f"{SDPA_VARLEN}, {TORCH_VARLEN}, flash_attention_2 or flash_attention_3 ({why}); add "
-                     f"--no-prefix-sharing to run {attn}")
+                     f"{', '.join(able[:-1])} or {able[-1]} ({why}); add --no-prefix-sharing to run {attn}")
 
 
-def model_source(cfg: TrainConfig) -> str:
-    """The flag that names the policy model, for error messages."""
-    return f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}"
-
-
-def check_layout_settings(cfg: TrainConfig, layout: ParallelLayout, attn: str, hf_config) -> None:
+def check_layout_settings(model: ModelSpec, layout: ParallelLayout, attn: str, row_layout: RowLayout,
+                          hf_config) -> None:
     """What a sequence-parallel layout needs of the settings and the model, before any weights exist."""
     if layout.sp_size == 1:
         return
     check_attention(attn, layout.sp_size)
-    if not cfg.packing:
+    if not row_layout.packed:
         raise InputError(f"--sequence-parallel-size {layout.sp_size} splits packed rows; it cannot be combined with "
                          f"--no-packing")
-    check_model_heads(hf_config, layout.sp_size, model_source(cfg))
+    check_model_heads(hf_config, layout.sp_size, model.source)
 
 
-def check_lora_settings(cfg: TrainConfig, hf_config) -> None:
-    """--lora-*: the adapters fit the model (placed on its skeleton, with no weights)."""
-    lora = LoraSettings.of(cfg)
-    if lora is not None:
-        check_adapters(lora, hf_config, model_source(cfg), cfg.trust_remote_code)
-
-
-def check_models(cfg: TrainConfig, layout: ParallelLayout, attn: str, vocab_size: int):
+def check_models(model: ModelSpec, layout: ParallelLayout, attn: str, row_layout: RowLayout, vocab_size: int,
+                 own_tokenizer: bool):
     """Phase one's look at the models' configs (no weights): the backend honours every attention feature of the
-    policy and the reference (sliding windows, soft-caps, ...), the layout fits their heads; a mixture-of-experts
-    router loss is named as excluded.  Returns the policy's HF config."""
-    hf_config = model_config(cfg, vocab_size)
+    policy and the reference (sliding windows, soft-caps, ...), the layout fits their heads, the LoRA adapters fit;
+    a mixture-of-experts router loss is named as excluded.  Returns the policy's HF config."""
+    hf_config = model_config(model, vocab_size, own_tokenizer)
     # Under sequence parallelism the model's attention is Ulysses around the local kernel: the per-sequence kernel
     # of sdpa_varlen for sdpa too, or a varlen kernel (flash-attn's, torch's).
-    kernel = SDPA_VARLEN if layout.sp_size > 1 and attn == "sdpa" else attn
-    check_model_attention(hf_config, kernel, model_source(cfg))
-    if cfg.ref_model is not None:
-        check_model_attention(reference_model_config(cfg, vocab_size), kernel, f"--ref-model {cfg.ref_model}")
-    check_layout_settings(cfg, layout, attn, hf_config)
+    kernel = (BACKENDS[attn].ulysses_local or attn) if layout.sp_size > 1 else attn
+    check_model_attention(hf_config, kernel, model.source)
+    if model.reference is not None:
+        check_model_attention(reference_model_config(model, vocab_size), kernel, f"--ref-model {model.reference}")
+    check_layout_settings(model, layout, attn, row_layout, hf_config)
     if getattr(hf_config, "output_router_logits", False):
         # DPO's loss is a sum over pairs; a router load-balancing loss is one per packed row (over all its
         # tokens), which would make the loss depend on how pairs are packed (invariant 2).
-        warnings.warn(f"{model_source(cfg)}: the mixture-of-experts router auxiliary loss (output_router_logits, "
+        warnings.warn(f"{model.source}: the mixture-of-experts router auxiliary loss (output_router_logits, "
                       f"router_aux_loss_coef {getattr(hf_config, 'router_aux_loss_coef', None)}) is not added to "
                       f"the DPO loss", stacklevel=2)
+    if model.lora is not None:  # the adapters fit the model (placed on its skeleton, with no weights)
+        check_adapters(model.lora, hf_config, model.source, model.trust_remote_code)
     return hf_config
 
 
-def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = None,
+def check_evaluation_models(model: ModelSpec, reference: ReferenceSpec, loss: LossConfig) -> None:
+    """``eval`` compares a trained policy (--model) with the model it was trained from: without that reference every
+    reward would be 0 (SimPO needs none)."""
+    if model.path is None:
+        raise InputError("eval: --model is required (the trained or exported Hugging Face folder to evaluate)")
+    if model.reference is None and reference.logps_file is None and loss.needs_reference:
+        raise InputError("eval: --ref-model (the model the policy was trained from) or --ref-logps is required: with "
+                         "--model as its own reference every reward is 0")
+
+
+def prepare(flags: TrainConfig, command: str = "train", world_size: int | None = None,
             dry_run: bool = False) -> RunSetup:
-    """Phase one: every check that needs no process group.
+    """Phase one: the flags resolved into the run's settings, and every check that needs no process group.
 
     ``world_size`` is the launch's when called before launching (the front command);
     under a launcher the layout comes from its environment.  ``check`` runs in one
-    process.  ``--dtype auto`` is resolved here: the set-up's settings name the dtype
-    that runs.  ``dry_run`` (``train --dry-run``) leaves a checkpoint resumed at another layout unconverted.
+    process.  ``dry_run`` (``train --dry-run``) leaves a checkpoint resumed at another layout unconverted.
     """
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
-    quiet_libraries(cfg.verbose)
+    quiet_libraries(flags.verbose)
     device_type = get_accelerator().device_name()
-    raw_ds, ds_source = load_ds_config(cfg.ds_config)
-    layout = ParallelLayout.from_launch(cfg.sequence_parallel_size, zero_stage(raw_ds),
+    raw_ds, ds_source = load_ds_config(flags.ds_config)
+    layout = ParallelLayout.from_launch(flags.sequence_parallel_size, zero_stage(raw_ds),
                                         world_size=1 if command == "check" else world_size)
-    cfg, raw_ds = take_user_values(cfg, raw_ds, ds_source, layout.dp_size)
-    check_adam_settings(cfg)
-    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device_type))
-    attn = resolve_attn(cfg.attn, device_type, needs_backward=command in TRAINING_COMMANDS, dtype=cfg.dtype)
-    loss_cfg = cfg.loss_config()
+    flags, raw_ds = with_ds_values(flags, raw_ds, ds_source, layout.dp_size)
+    check_adam_settings(flags.optimizer, flags.given)
+    dtype = resolve_dtype(flags.dtype, device_type)
+    attn = resolve_attn(flags.attn, device_type, needs_backward=command in TRAINING_COMMANDS, dtype=dtype)
+    loss = flags.loss_config()
+    data = flags.data_spec()
+    evaluation = flags.evaluation_spec(data.tokenization)
+    model = model_spec(flags, dtype)
+    reference = reference_spec(flags, model, loss, evaluation)
+    optimizer, schedule, outputs = optimizer_spec(flags), schedule_spec(flags), output_spec(flags)
+    checkpoint = checkpoint_spec(flags)
     if command == "train":
-        check_output_dir(cfg)
-        shard_size_bytes(cfg.max_shard_size)  # --export-on-end's, refused before any work
+        check_output_dir(checkpoint, flags.local_inputs())
+        shard_size_bytes(checkpoint.max_shard_size)  # --export-on-end's, refused before any work
     if command == "eval":
-        check_evaluation_models(cfg, loss_cfg)
-    if command != "check":  # check reports packing alone for a backend that cannot share prefixes
-        cfg = settle_prefix_sharing(cfg, attn, layout, device_type)
-    tokenizer, rows = tokenizer_and_rows(cfg)
-    hf_config = check_models(cfg, layout, attn, len(tokenizer))
-    check_lora_settings(cfg, hf_config)
-    check_sync_settings(cfg, command, raw_ds, hf_config, len(tokenizer))
-    lora = LoraSettings.of(cfg)
-    cfg = dataclasses.replace(cfg, logps_impl=resolve_logps_impl(
-        cfg.logps_impl, device_type, getattr(hf_config, "final_logit_softcapping", None),
-        lora is not None and lora.adapts_head))
-    prepared = prepare_run_data(cfg, tokenizer, rows)
+        check_evaluation_models(model, reference, loss)
+    row_layout = settle_row_layout(flags.row_layout, flags.is_given("prefix_sharing"), attn, layout, device_type,
+                                   dtype, command)
+    tokenizer, rows = tokenizer_and_rows(data)
+    hf_config = check_models(model, layout, attn, row_layout, len(tokenizer), own_tokenizer=data.tokenizer is None)
+    check_sync_settings(reference.sync, model, command, raw_ds, hf_config, len(tokenizer))
+    logps = LogpsSpec(resolve_logps_impl(flags.logps_impl, device_type,
+                                         getattr(hf_config, "final_logit_softcapping", None),
+                                         model.lora is not None and model.lora.adapts_head), logps_chunk(flags))
+    gave_way = row_layout is not flags.row_layout and command != "check"  # the settings say the default gave way
+    settings = to_dict(dataclasses.replace(flags, dtype=dtype, logps_impl=logps.impl,
+                                           prefix_sharing=flags.prefix_sharing and not gave_way))
+    backend = BACKENDS[attn]
+    spec = RunSpec(command, device_type, layout, flags.collective_timeout_s, model, reference, data, evaluation,
+                   flags.plan_spec(layout, row_layout), loss,
+                   AttentionSpec(attn, backend.model_implementation(layout.sp_size, row_layout.shares_prefixes),
+                                 packing_check=not flags.skip_packing_check),
+                   logps, optimizer, schedule, checkpoint, outputs, settings)
+    return checked_setup(spec, raw_ds, ds_source, tokenizer, rows, hf_config, dry_run)
+
+
+def checked_setup(spec: RunSpec, raw_ds: dict, ds_source: str, tokenizer, rows: list[dict] | None, hf_config,
+                  dry_run: bool) -> RunSetup:
+    """The rest of phase one, from the run's settings: its data and plan, the LR schedule over the plan's steps, the
+    filled DeepSpeed config, the resume point, the precomputed reference, the held-out set."""
+    command, layout = spec.command, spec.layout
+    prepared = prepare_run_data(spec.data.tokenization, tokenizer, rows)
     held_out = None
     if command in EVALUATING_COMMANDS:
-        prepared, held_out = split_held_out(cfg, tokenizer, prepared)
+        prepared, held_out = split_held_out(spec.evaluation, tokenizer, prepared)
     if command == "eval" and held_out is None:  # no held-out part named: evaluate on --dataset (--max-pairs) itself
         held_out = prepared
-    plan_cfg = checked_plan_config(cfg, layout, prepared)
-    schedule = run_schedule(cfg, total_steps(cfg, plan_cfg, prepared))
-    ds_config = fill_ds_config(raw_ds, ds_source, cfg, layout.dp_size, int(getattr(hf_config, "hidden_size", 1024)),
-                               device_type, schedule)
-    if cfg.ref_offload:  # the reference's own config, so that a stage without parameter offload ends here, not in a rank
+    checked_plan_config(spec.plan, layout.sp_size, prepared)
+    schedule = spec.schedule.over(spec.optimizer.lr, total_steps(spec.plan, prepared))
+    ds_config = fill_ds_config(raw_ds, ds_source, spec.optimizer, spec.model.dtype, spec.outputs, layout,
+                               int(getattr(hf_config, "hidden_size", 1024)), spec.device_type, schedule)
+    if spec.reference.offload:  # the reference's own config, so that a stage without parameter offload ends here
         reference_ds_config(ds_config, offload=True, source=ds_source)
-    setup = RunSetup(cfg, command, layout, device_type, attn, ds_config, tokenizer, prepared, plan_cfg, loss_cfg,
-                     schedule)
+    setup = RunSetup(spec, ds_config, tokenizer, prepared, schedule)
     if command == "train":
-        setup.resume = check_resume(cfg, prepared.fingerprint, layout)
+        setup.resume = check_resume(spec.checkpoint, setup.plan_fingerprint, layout, spec.model, spec.reference.sync)
         if setup.resume is not None and setup.resume.universal and not dry_run:
             if layout.rank == 0:  # once, before any process group: the other ranks wait for rank 0 to start it
                 ensure_universal(setup.resume.tag_dir, setup.resume.global_step)
@@ -271,16 +371,7 @@ def prepare(cfg: TrainConfig, command: str = "train", world_size: int | None = N
     return setup
 
 
-def check_evaluation_models(cfg: TrainConfig, loss_cfg: LossConfig) -> None:
-    """``eval`` compares a trained policy (--model) with the model it was trained from: without that reference every
-    reward would be 0 (SimPO needs none)."""
-    if cfg.model is None:
-        raise InputError("eval: --model is required (the trained or exported Hugging Face folder to evaluate)")
-    if cfg.ref_model is None and cfg.ref_logps is None and loss_cfg.needs_reference:
-        raise InputError("eval: --ref-model (the model the policy was trained from) or --ref-logps is required: with "
-                         "--model as its own reference every reward is 0")
-
-
+# ----------------------------------------------------------------------------- phase two
 class AdaptersOff:
     """The reference of a LoRA run without --ref-model: the policy itself with its adapters switched off."""
 
@@ -303,7 +394,7 @@ class Run:
     def reference_is_precomputed(self) -> bool:
         return isinstance(self.reference, PrecomputedReference)
 
-    def _forward(self, model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK, impl: str = "lean",
+    def _forward(self, model, batch: ModelBatch, attn: str, chunk_tokens: int | str = AUTO_CHUNK, impl: str = LEAN,
                  weighting: TokenWeighting | None = None):
         """One forward's per-sequence log-probs; under sequence parallelism each rank runs its slice."""
         if self.sequence_parallel is not None:
@@ -313,9 +404,9 @@ class Run:
     def forward_logps(self, model, batch: ModelBatch, policy: bool = True) -> SequenceLogps:
         """The per-sequence log-probs the loss takes (LD-weighted with --ld-alpha; the policy's with WPO's
         statistic under --use-weighting)."""
-        cfg = self.setup.cfg
-        return self._forward(model, batch, self.setup.model_attn, cfg.logps_chunk, cfg.logps_impl,
-                             self.setup.loss_cfg.token_weighting(policy))
+        spec = self.setup.spec
+        return self._forward(model, batch, spec.attention.model_attn, spec.logps.chunk_tokens, spec.logps.impl,
+                             spec.loss.token_weighting(policy))
 
     def reference_logps(self, batch: ModelBatch) -> SequenceLogps | None:
         """The reference log-probs of ``batch``: looked up, run without gradients (a reference model, or the LoRA
@@ -331,23 +422,21 @@ class Run:
             return self.forward_logps(self.reference, batch, policy=False)
 
     def row_batch(self, row, plan) -> ModelBatch:
-        """The model inputs of one planned row of ``plan`` (a StepPlan), packed (each prompt once with prefix sharing),
-        padded, or of responses spread over ranks as the plan lays them out, on this rank's device."""
+        """The model inputs of one planned row of ``plan`` (a StepPlan), collated in the step's row layout (the run's,
+        or spread responses where the plan spread the step's prompt groups over ranks), on this rank's device."""
         setup = self.setup
-        if plan.responses is not None:
-            return collate_spread_row(setup.prepared.dataset, plan.responses, row.responses,
-                                      setup.pad_token_id).to(self.device)
-        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.cfg.packing,
-                           shared_prefix=setup.prefix_sharing,
-                           grouped=setup.prefix_sharing and setup.cfg.prompt_groups).to(self.device)
+        layout = plan.row_layout(setup.spec.row_layout)
+        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, layout, plan.responses,
+                           row.responses).to(self.device)
 
     def check_packing(self) -> None:
         """The start-up guard (packed runs): packed log-probs, in the run's layout (prefix-shared or not), equal each
         sequence alone (eager), on every rank together."""
         model = self.policy if self.policy is not None else self.reference
-        self.packing_check = assert_packing_exact(model, self.setup.model_attn, self.setup.vocab_size,
+        spec = self.setup.spec
+        self.packing_check = assert_packing_exact(model, spec.attention.model_attn, self.setup.vocab_size,
                                                   self.setup.pad_token_id, device=self.device, forward=self._forward,
-                                                  shared_prefix=self.setup.prefix_sharing)
+                                                  shared_prefix=spec.row_layout.shares_prefixes)
 
     def close(self) -> None:
         """Frees the engines before the next run of this process is built (a bench's next configuration)."""
@@ -361,28 +450,29 @@ class Run:
 
 def start(setup: RunSetup) -> Run:
     """Phase two: process group, sequence-parallel groups and attention, engines, packing guard."""
-    cfg, layout = setup.cfg, setup.layout
-    init_process_group(layout, cfg.collective_timeout_s, quiet=not cfg.verbose)
+    spec = setup.spec
+    layout, model, attn = spec.layout, spec.model, spec.attention.model_attn
+    init_process_group(layout, spec.collective_timeout_s, quiet=not spec.outputs.verbose)
     sequence_parallel = mpu = None
     if layout.sp_size > 1:
-        sequence_parallel, mpu = init_sequence_parallel(layout, setup.attn, setup.pad_token_id)
+        sequence_parallel, mpu = init_sequence_parallel(layout, spec.attention.backend, setup.pad_token_id)
     policy = None
-    if setup.command in TRAINING_COMMANDS:
-        policy = build_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
+    if spec.command in TRAINING_COMMANDS:
+        policy = build_policy(model, spec.optimizer.weight_decay, setup.ds_config, setup.vocab_size, attn, mpu)
         if layout.rank == 0:
-            print(trainable_line(policy.module, LoraSettings.of(cfg)), flush=True)
-    elif setup.command == "eval":
-        policy = build_evaluated_policy(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
+            print(trainable_line(policy.module, model.lora), flush=True)
+    elif spec.command == "eval":
+        policy = build_evaluated_policy(model, setup.ds_config, setup.vocab_size, attn, mpu)
     if setup.precomputed is not None:
         reference = setup.precomputed
-    elif setup.command in EVALUATING_COMMANDS and not setup.loss_cfg.needs_reference:
+    elif spec.command in EVALUATING_COMMANDS and not spec.loss.needs_reference:
         reference = None  # reference-free
-    elif setup.command in TRAINING_COMMANDS and cfg.lora_r and cfg.ref_model is None:
+    elif spec.command in TRAINING_COMMANDS and model.lora is not None and model.reference is None:
         reference = AdaptersOff()  # no second model: the base weights are the policy's own, frozen
     else:
-        reference = build_reference(cfg, setup.ds_config, setup.vocab_size, setup.model_attn, mpu)
+        reference = build_reference(model, spec.reference.offload, setup.ds_config, setup.vocab_size, attn, mpu)
     run = Run(setup, policy, reference, sequence_parallel)
-    if cfg.packing and not cfg.skip_packing_check:
+    if spec.row_layout.packed and spec.attention.packing_check:
         run.check_packing()
     return run
 
@@ -397,5 +487,6 @@ def trainable_line(model, lora: LoraSettings | None) -> str:
 
 def model_alone(setup: RunSetup):
     """``check``: the policy model in this process, no process group and no DeepSpeed, on the accelerator."""
-    model = load_model(setup.cfg, setup.cfg.model, setup.vocab_size, setup.model_attn)
+    spec = setup.spec
+    model = load_model(spec.model, spec.model.path, setup.vocab_size, spec.attention.model_attn)
     return model.to(get_accelerator().current_device_name())

@@ -54,11 +54,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from ..config import TrainConfig
+from ..data.plan import PlanConfig
 from ..errors import DiskFullError, InputError
 from ..files import atomic_write, fsync_dir, fsync_tree
-from ..model.lora import LoraSettings, parameter_counts, save_adapter_config
-from . import faults
+from ..model.build import ModelSpec
+from ..model.lora import parameter_counts, save_adapter_config
+from . import hooks
 from .layout import ParallelLayout, describe_sizes
 from .manifest import has_manifest, manifest_problem, read_manifest, total_bytes, write_manifest
 from .reference_sync import REFERENCE_FILE, RefSync, reference_files
@@ -85,25 +86,56 @@ def _tag_step(path: Path) -> int | None:
     return int(match.group(1)) if match and path.is_dir() else None
 
 
-def resolved_save_dir(cfg: TrainConfig) -> Path:
-    return Path(cfg.save_dir) if cfg.save_dir else Path(cfg.output_dir) / "checkpoints"
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Where a run saves, how often, how many it keeps; what it resumes from; its export at the end; how many
+    non-finite steps in a row it survives (the counter is saved state)."""
+
+    output_dir: Path  # the run's folder: a checkpoint saved from it resumes there without --overwrite
+    save_dir: Path  # --save-dir, default OUTPUT_DIR/checkpoints
+    save_dir_named: bool  # --save-dir given: a stopped run saves there even without --save-steps
+    save_steps: int | None  # every N optimizer steps and at the end (None: no periodic save)
+    total_limit: int | None  # keep the newest K
+    resume: str | None  # 'auto' or a checkpoint folder
+    allow_new_layout: bool  # load a checkpoint of another layout through the universal form
+    overwrite: bool  # may start afresh over the save folder's checkpoints
+    export_on_end: bool  # a Hugging Face folder at the end (export_dir)
+    max_shard_size: str  # its largest safetensors file
+    max_bad_steps: int  # consecutive non-finite steps before the run aborts
+
+    def __post_init__(self):
+        if self.total_limit is not None and not self.save_steps:
+            raise InputError("--save-total-limit needs --save-steps (nothing is saved without it)")
+        if self.allow_new_layout and self.resume is None:
+            raise InputError("--allow-new-layout needs --resume (it says how to load a checkpoint)")
+        if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():
+            raise InputError(f"--resume {self.resume}: no such checkpoint folder (or pass 'auto')")
+
+    @property
+    def export_dir(self) -> Path:
+        """The Hugging Face folder --export-on-end writes (replacing it) once the run has ended."""
+        return self.output_dir / "hf_model"
+
+    @property
+    def saves_on_stop(self) -> bool:
+        """A stop signal saves the run (checkpoints were asked for)."""
+        return bool(self.save_steps) or self.save_dir_named
+
+    def due(self, global_step: int, last: bool) -> bool:
+        """A checkpoint after this step: every --save-steps, and after the last one."""
+        return bool(self.save_steps) and (global_step % self.save_steps == 0 or last)
 
 
-def export_on_end_dir(cfg: TrainConfig) -> Path:
-    """The Hugging Face folder --export-on-end writes (replacing it) once the run has ended."""
-    return Path(cfg.output_dir) / "hf_model"
-
-
-def plan_fingerprint(cfg: TrainConfig, data_fingerprint: str) -> str:
+def plan_fingerprint(plan: PlanConfig, eval_fraction: float | None, data_fingerprint: str) -> str:
     """What decides which pairs make up step s: the data (content, tokenizer, truncation) and the plan settings.
 
     World size, row budget and packing only change the layout of a step, never its pairs; --eval-fraction decides
     which pairs train at all.
     """
-    key = {"data": data_fingerprint, "seed": cfg.seed, "global_batch_pairs": cfg.batch_pairs,
-           "tokens_per_step": cfg.tokens_per_step, "drop_last": cfg.drop_last}
-    if cfg.eval_fraction is not None:  # absent otherwise: checkpoints of runs without a split keep their fingerprint
-        key["eval_fraction"] = cfg.eval_fraction
+    key = {"data": data_fingerprint, "seed": plan.seed, "global_batch_pairs": plan.global_batch_pairs,
+           "tokens_per_step": plan.tokens_per_step, "drop_last": plan.drop_last}
+    if eval_fraction is not None:  # absent otherwise: checkpoints of runs without a split keep their fingerprint
+        key["eval_fraction"] = eval_fraction
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -235,26 +267,25 @@ def verify_checkpoint(path: str | Path) -> tuple[list[str], int]:
     return lines, 1
 
 
-def checkpoint_to_resume(cfg: TrainConfig) -> Found | None:
+def checkpoint_to_resume(checkpoint: CheckpointSpec) -> Found | None:
     """The checkpoint ``--resume`` asks for; None to start fresh (no --resume, or auto and no checkpoint yet)."""
-    if cfg.resume is None:
+    if checkpoint.resume is None:
         return None
-    if cfg.resume == "auto":
-        save_dir = resolved_save_dir(cfg)
-        found = newest_intact(save_dir)
+    if checkpoint.resume == "auto":
+        found = newest_intact(checkpoint.save_dir)
         return found if found.tag_dir is not None or found.skipped else None
-    return Found(*resolve_checkpoint(cfg.resume, "--resume"), skipped=[])
+    return Found(*resolve_checkpoint(checkpoint.resume, "--resume"), skipped=[])
 
 
-def resumes_in_place(cfg: TrainConfig) -> bool:
+def resumes_in_place(checkpoint: CheckpointSpec) -> bool:
     """True when --resume continues the run that lives in --output-dir (its own folder: no --overwrite needed).
 
     Reads the state files alone: ``check_resume`` verifies the checkpoint it takes, once (it reads every byte).
     """
-    if cfg.resume is None:
+    if checkpoint.resume is None:
         return False
-    path = resolved_save_dir(cfg) if cfg.resume == "auto" else Path(cfg.resume)
-    own = Path(cfg.output_dir).resolve()
+    path = checkpoint.save_dir if checkpoint.resume == "auto" else Path(checkpoint.resume)
+    own = checkpoint.output_dir.resolve()
     for tag_dir in [path] if (path / STATE_FILE).is_file() else tag_dirs(path):
         try:
             state = json.loads((tag_dir / STATE_FILE).read_text())
@@ -281,37 +312,43 @@ class ResumePoint:
     skipped: tuple[str, ...] = ()  # --resume auto: the newer checkpoints passed over, each with its reason
 
 
-def check_resume(cfg: TrainConfig, data_fingerprint: str, layout: ParallelLayout) -> ResumePoint | None:
-    """Phase one: the checkpoint to resume, checked against this run (data, plan, layout); None = fresh start."""
-    found = checkpoint_to_resume(cfg)
-    save_dir = resolved_save_dir(cfg)
+def lora_record(model: ModelSpec) -> dict | None:
+    """What a checkpoint records of a run's LoRA settings (None: full fine-tuning); a resume must match it."""
+    return model.lora.as_dict() if model.lora is not None else None
+
+
+def check_resume(checkpoint: CheckpointSpec, fingerprint: str, layout: ParallelLayout, model: ModelSpec,
+                 sync: RefSync | None) -> ResumePoint | None:
+    """Phase one: the checkpoint to resume, checked against this run (its plan's ``fingerprint``, layout, precision,
+    LoRA and TR-DPO settings); None = fresh start."""
+    found = checkpoint_to_resume(checkpoint)
+    save_dir = checkpoint.save_dir
     if found is None or found.tag_dir is None:
-        if holds_checkpoints(save_dir) and not cfg.overwrite:
+        if holds_checkpoints(save_dir) and not checkpoint.overwrite:
             hint = (f"holds no intact checkpoint to resume ({'; '.join(found.skipped)})" if found
-                    else "holds no complete checkpoint to resume, only partial saves" if cfg.resume == "auto"
+                    else "holds no complete checkpoint to resume, only partial saves" if checkpoint.resume == "auto"
                     else "holds checkpoints of an earlier run (pass --resume auto to continue it)")
             raise InputError(f"--save-dir {save_dir}: {hint}; pass --overwrite to start afresh")
         return None
     tag_dir, state = found.tag_dir, found.state
     where = f"--resume {tag_dir}"
-    if state["plan_fingerprint"] != plan_fingerprint(cfg, data_fingerprint):
+    if state["plan_fingerprint"] != fingerprint:
         raise InputError(f"{where}: the checkpoint was written for other data or plan settings (dataset, tokenizer, "
                          "--max-length, --seed, --global-batch-pairs/--tokens-per-step, --drop-last, --eval-fraction "
                          "differ); resume "
                          "with the run's own settings")
     new_layout = state["layout"] != layout.as_dict()
-    if new_layout and not cfg.allow_new_layout:
+    if new_layout and not checkpoint.allow_new_layout:
         raise InputError(f"{where}: written by {describe_sizes(state['layout'])}, this run is "
                          f"{layout.describe()}; DeepSpeed ZeRO shards load only into the same layout (pass "
                          "--allow-new-layout to load it at this one through DeepSpeed's universal format)")
-    lora = LoraSettings.record(cfg)
+    lora = lora_record(model)
     if state.get("lora") != lora:
         raise InputError(f"{where}: written with {describe_training(state.get('lora'))}, this run trains "
                          f"{describe_training(lora)}; resume with the run's own --lora-* settings")
-    if state["zero_stage"] != layout.zero_stage or state["dtype"] != cfg.dtype:
+    if state["zero_stage"] != layout.zero_stage or state["dtype"] != model.dtype:
         raise InputError(f"{where}: written with ZeRO stage {state['zero_stage']} and --dtype {state['dtype']}, this "
-                         f"run uses stage {layout.zero_stage} and --dtype {cfg.dtype}")
-    sync = RefSync.of(cfg)
+                         f"run uses stage {layout.zero_stage} and --dtype {model.dtype}")
     if state.get("ref_sync") != (sync.record() if sync else None):
         raise InputError(f"{where}: written with {describe_sync(state.get('ref_sync'))}, this run has "
                          f"{describe_sync(sync.record() if sync else None)}; resume with the run's own "
@@ -406,18 +443,20 @@ def prune(save_dir: Path, keep: int, latest_tag: str) -> list[str]:
 class Checkpointer:
     """Saves and restores the policy engine plus what the trainer needs to continue exactly."""
 
-    def __init__(self, cfg: TrainConfig, run, reference_sync=None):
-        self.cfg = cfg
+    def __init__(self, run, reference_sync=None):
+        spec = run.setup.spec
+        self.settings = spec.checkpoint
+        self.model = spec.model
+        self.seed = spec.plan.config.seed  # of the RNG of a rank new to a checkpoint
         self.run = run
         self.reference_sync = reference_sync  # a TR-DPO run's (run/reference_sync.py): its reference is state too
-        self.layout = run.setup.layout
-        self.save_dir = resolved_save_dir(cfg)
-        self.fingerprint = plan_fingerprint(cfg, run.setup.prepared.fingerprint)
+        self.layout = spec.layout
+        self.save_dir = self.settings.save_dir
+        self.fingerprint = run.setup.plan_fingerprint
         self.saved_step: int | None = None  # global step of the newest checkpoint of this run (same on every rank)
 
     def due(self, global_step: int, last: bool) -> bool:
-        every = self.cfg.save_steps
-        return bool(every) and (global_step % every == 0 or last)
+        return self.settings.due(global_step, last)
 
     def save(self, engine, global_step: int, next_epoch: int, next_epoch_step: int, bad_steps: int) -> Path:
         """All ranks: write the tag; then rank 0 checks it, writes its manifest and moves ``latest`` (plus retention).
@@ -444,14 +483,14 @@ class Checkpointer:
             "data_fingerprint": self.run.setup.prepared.fingerprint,
             "layout": self.layout.as_dict(),
             "zero_stage": self.layout.zero_stage,
-            "dtype": self.cfg.dtype,
-            "output_dir": str(Path(self.cfg.output_dir).resolve()),
-            "lora": LoraSettings.record(self.cfg),  # its adapter config is in hf/ too
+            "dtype": self.model.dtype,
+            "output_dir": str(self.settings.output_dir.resolve()),
+            "lora": lora_record(self.model),  # its adapter config is in hf/ too
         }
         if self.reference_sync is not None:  # absent otherwise: a checkpoint without TR-DPO is unchanged
             state["ref_sync"] = self.reference_sync.settings.record()
         try:
-            with faults.full_disk(rank, global_step):
+            with hooks.installed().saving(rank, global_step):
                 self._write(engine, tag_dir, state)
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -467,13 +506,13 @@ class Checkpointer:
             self.reference_sync.save(tag_dir, rank)
         if rank == 0:
             engine.module.config.save_pretrained(tag_dir / HF_FOLDER)
-            if self.cfg.lora_r:
+            if self.model.lora is not None:
                 save_adapter_config(engine, tag_dir / HF_FOLDER)  # export rebuilds the adapters from it
             self.run.setup.tokenizer.save_pretrained(tag_dir / HF_FOLDER)
             (tag_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         engine.save_checkpoint(str(self.save_dir), tag=tag, client_state={CLIENT_STATE_KEY: state},
                                save_latest=False)  # ends with a barrier: every rank's files are written
-        faults.kill_point(rank, state["position"]["global_step"], "save")
+        hooks.installed().saved(rank, state["position"]["global_step"])
         for path in files_of_rank(tag_dir, rank):
             fsync_tree(path)  # by the rank that wrote it: on a shared file system only its node holds the dirty pages
         dist.barrier()
@@ -487,8 +526,8 @@ class Checkpointer:
             write_manifest(tag_dir)  # last: read back from the disk, synced with its folder
             fsync_dir(self.save_dir)  # the tag folder's own entry, before 'latest' names it
             write_latest(self.save_dir, tag)
-            if self.cfg.save_total_limit:
-                prune(self.save_dir, self.cfg.save_total_limit, tag)
+            if self.settings.total_limit:
+                prune(self.save_dir, self.settings.total_limit, tag)
 
     def _disk_full(self, engine, tag_dir: Path, error: OSError) -> DiskFullError:
         """The one line of a save that ran out of space; rank 0 removes the partial tag (no manifest: never
@@ -529,22 +568,6 @@ class Checkpointer:
             raise RuntimeError(f"checkpoint {point.tag_dir}: DeepSpeed's client_state disagrees with {STATE_FILE}")
         if self.reference_sync is not None:
             self.reference_sync.load(point.tag_dir, self.layout.rank)
-        restore_rng(point, self.layout.rank, self.cfg.seed)
+        restore_rng(point, self.layout.rank, self.seed)
         self.saved_step = point.global_step
 
-
-def trim_metrics(path: Path, global_step: int) -> int:
-    """On resume: keep the records of steps <= ``global_step`` (later ones were undone); returns how many were cut."""
-    if not path.is_file():
-        return 0
-    def kept_step(line: str) -> bool:
-        try:
-            return json.loads(line)["step"] <= global_step
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return False  # a line torn by the crash
-
-    lines = path.read_text().splitlines()
-    kept = [line for line in lines if kept_step(line)]
-    if len(kept) < len(lines):
-        atomic_write(path, lambda temporary: Path(temporary).write_text("".join(line + "\n" for line in kept)))
-    return len(lines) - len(kept)

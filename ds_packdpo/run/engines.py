@@ -10,6 +10,7 @@ and became the run's settings in phase one (run/user_values.py).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -21,14 +22,29 @@ from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
 from pydantic import ValidationError
 from transformers.integrations import HfDeepSpeedConfig
 
-from ..config import TrainConfig, read_mapping
+from ..config import read_mapping
 from ..errors import InputError, first_line
 from ..model.config_rules import check_forward_rules, check_model_folder
-from ..model.build import TORCH_DTYPES, build_model, load_model_config, load_pretrained_config
-from ..model.lora import LoraSettings, add_adapters
+from ..model.build import TORCH_DTYPES, ModelSpec, build_model, load_model_config, load_pretrained_config
+from ..model.lora import add_adapters
 from ..model.param_groups import weight_decay_groups
+from .layout import ParallelLayout
+from .metrics import OutputSpec
 from .schedule import Schedule, start_schedule
 from .user_values import monitor_sections, optimizer_section
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer DeepSpeed builds (the flags', or the DeepSpeed config's own values taken as them in phase one,
+    run/user_values.py), and the gradient clipping."""
+
+    name: str  # a DeepSpeed optimizer or a torch.optim class
+    lr: float  # the peak LR (the schedule's)
+    betas: tuple[float, float]  # Adam/AdamW
+    eps: float  # Adam/AdamW
+    weight_decay: float  # of every parameter but biases, norm weights and embeddings
+    max_grad_norm: float  # 0: no clipping
 
 # DeepSpeed's monitor sections: the trainer reports through the policy engine's monitor only.
 _MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
@@ -84,13 +100,13 @@ def _scheduler_section(given, schedule: Schedule, source: str):
     return schedule.deepspeed_section()
 
 
-def _optimizer_section(raw: dict, cfg: TrainConfig) -> dict:
+def _optimizer_section(raw: dict, name: str) -> dict:
     """The config's optimizer with what it leaves out filled from the settings (its type, lr, weight decay, and
-    betas and eps for Adam/AdamW), or the settings' optimizer when it has none."""
+    betas and eps for Adam/AdamW: optimizer ``name``), or the settings' optimizer when it has none."""
     optimizer = raw.get("optimizer")
     if not isinstance(optimizer, dict):
-        return optimizer_section(cfg)
-    ours = optimizer_section(cfg)
+        return optimizer_section(name)
+    ours = optimizer_section(name)
     params = optimizer.setdefault("params", {})
     if isinstance(params, dict):
         for key in set(params) - set(ours["params"]):
@@ -102,54 +118,55 @@ def _optimizer_section(raw: dict, cfg: TrainConfig) -> dict:
     return optimizer
 
 
-def fill_ds_config(raw: dict, source: str, cfg: TrainConfig, dp_world_size: int, hidden_size: int,
-                   device_type: str, schedule: Schedule) -> dict:
-    """The run's DeepSpeed config: "auto" values filled from the run settings (which hold the values the config
+def fill_ds_config(raw: dict, source: str, optimizer: OptimizerSpec, dtype: str, outputs: OutputSpec,
+                   layout: ParallelLayout, hidden_size: int, device_type: str, schedule: Schedule) -> dict:
+    """The run's DeepSpeed config: "auto" values filled from the run's settings (which hold the values the config
     wrote, run/user_values.py), the batch keys pinned to one planned row per forward, the scheduler section that runs
-    ``schedule``."""
-    bf16 = cfg.dtype == "bf16"
+    ``schedule``, the monitors of ``outputs``."""
+    bf16 = dtype == "bf16"
+    dp_world_size, sp_size = layout.dp_size, layout.sp_size
     values = {
         "train_batch_size": dp_world_size,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.max_grad_norm,
+        "gradient_clipping": optimizer.max_grad_norm,
         "bf16.enabled": bf16,
-        "optimizer.type": cfg.optimizer,
-        "lr": cfg.lr,
-        "betas": [cfg.adam_beta1, cfg.adam_beta2],
-        "eps": cfg.adam_epsilon,
-        "weight_decay": cfg.weight_decay,
+        "optimizer.type": optimizer.name,
+        "lr": optimizer.lr,
+        "betas": list(optimizer.betas),
+        "eps": optimizer.eps,
+        "weight_decay": optimizer.weight_decay,
         "reduce_bucket_size": hidden_size * hidden_size,
         "allgather_bucket_size": max(hidden_size * hidden_size, 1_000_000),
         "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
         "stage3_param_persistence_threshold": 10 * hidden_size,
-        "output_path": cfg.output_dir,  # monitors (csv, tensorboard) write under the run's folder
+        "output_path": str(outputs.output_dir),  # monitors (csv, tensorboard) write under the run's folder
     }
     raw = copy.deepcopy(raw)
     scheduler = _scheduler_section(raw.pop("scheduler", None), schedule, source)
-    raw["optimizer"] = _optimizer_section(raw, cfg)
+    raw["optimizer"] = _optimizer_section(raw, optimizer.name)
     ds = _replace_auto(raw, values, "", source)
     if scheduler is not None:
         ds["scheduler"] = scheduler
     for key, value in (("train_batch_size", dp_world_size), ("train_micro_batch_size_per_gpu", 1),
-                       ("gradient_accumulation_steps", 1), ("gradient_clipping", cfg.max_grad_norm)):
+                       ("gradient_accumulation_steps", 1), ("gradient_clipping", optimizer.max_grad_norm)):
         ds.setdefault(key, value)  # what the config leaves out runs as the settings say
     ds.setdefault("bf16", {"enabled": bf16})
-    monitor_sections(cfg, ds)
-    if cfg.sequence_parallel_size > 1:
+    monitor_sections(outputs, ds)
+    if sp_size > 1:
         if zero_stage(ds) == 3 and ds["zero_optimization"].get("reduce_scatter") is False:
             # Without reduce-scatter ZeRO-3 averages some gradient buckets over W/S ranks and others over W.
             raise InputError(f"--ds-config {source}: 'zero_optimization.reduce_scatter': false with "
-                             f"--sequence-parallel-size {cfg.sequence_parallel_size} (ZeRO-3 then scales gradients "
+                             f"--sequence-parallel-size {sp_size} (ZeRO-3 then scales gradients "
                              f"inconsistently); remove it")
         # Read by the DeepSpeedConfig that transformers' zero.Init builds without an mpu: its batch check
         # counts data-parallel ranks only (world / this), like the engines given the mpu.
-        ds["sequence_parallel_size"] = cfg.sequence_parallel_size
-    optimizer = ds.get("optimizer")
-    if device_type == "cpu" and optimizer and optimizer.get("type", "").lower() in ("adam", "adamw"):
+        ds["sequence_parallel_size"] = sp_size
+    section = ds.get("optimizer")
+    if device_type == "cpu" and section and section.get("type", "").lower() in ("adam", "adamw"):
         # DeepSpeed would otherwise JIT-compile FusedAdam/CPUAdam, which needs a toolchain and minutes.
-        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
-    if optimizer and optimizer.get("type", "").lower() not in ("adam", "adamw", "lamb", "onebitadam", "lion"):
+        section.setdefault("params", {}).setdefault("torch_adam", True)
+    if section and section.get("type", "").lower() not in ("adam", "adamw", "lamb", "onebitadam", "lion"):
         ds.setdefault("zero_allow_untested_optimizer", True)
     validate_ds_config(ds, source)
     return ds
@@ -197,20 +214,20 @@ def reference_ds_config(policy_ds: dict, offload: bool, source: str | None = Non
     return ref
 
 
-def load_model(cfg: TrainConfig, model_path: str | None, vocab_size: int, attn: str, ds_config: dict | None = None):
-    """The policy or reference module: ``model_path`` (a folder), else random weights from ``--model-config``.
+def load_model(model: ModelSpec, path: str | None, vocab_size: int, attn: str, ds_config: dict | None = None):
+    """The policy or reference module: ``path`` (a folder), else random weights from ``--model-config``.
 
     Under a ZeRO-3 ``ds_config`` the weights are partitioned at construction: while the
     ``HfDeepSpeedConfig`` lives, transformers wraps from_pretrained/from_config in
     ``deepspeed.zero.Init``, so no rank ever holds the full model.
     """
     keep_alive = HfDeepSpeedConfig(ds_config) if ds_config is not None and zero_stage(ds_config) == 3 else None
-    torch.manual_seed(cfg.seed)  # policy and reference built from a config get identical weights
-    model = build_model(model_path, cfg.model_config if model_path is None else None, vocab_size,
-                        TORCH_DTYPES[cfg.dtype], attn, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
-                        revision=cfg.revision if model_path == cfg.model else None)
+    torch.manual_seed(model.seed)  # policy and reference built from a config get identical weights
+    module = build_model(path, model.config if path is None else None, vocab_size, TORCH_DTYPES[model.dtype], attn,
+                         seed=model.seed, trust_remote_code=model.trust_remote_code,
+                         revision=model.revision if path == model.path else None)
     del keep_alive
-    return model
+    return module
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -236,7 +253,7 @@ def enable_gradient_checkpointing(model) -> None:
     model.train()
 
 
-def build_policy(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
+def build_policy(model: ModelSpec, weight_decay: float, ds_config: dict, vocab_size: int, attn: str, mpu=None):
     """The trainable policy engine: every weight, or (--lora-r) LoRA adapters on the frozen base; its LR scheduler
     at the run's first iteration (a resume then loads its own).
 
@@ -247,58 +264,59 @@ def build_policy(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, 
     gradients go to the optimizer, in two groups: no weight decay on biases, norm weights
     and embeddings.
     """
-    model = load_model(cfg, cfg.model, vocab_size, attn, ds_config)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    lora = LoraSettings.of(cfg)
-    if lora is not None:
-        model = add_adapters(model, lora, seed=cfg.seed, base=str(Path(cfg.model).resolve()) if cfg.model else None)
-    groups = weight_decay_groups(model, cfg.weight_decay)
-    policy, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu)
+    module = load_model(model, model.path, vocab_size, attn, ds_config)
+    if model.gradient_checkpointing:
+        enable_gradient_checkpointing(module)
+    if model.lora is not None:
+        module = add_adapters(module, model.lora, seed=model.seed,
+                              base=str(Path(model.path).resolve()) if model.path else None)
+    groups = weight_decay_groups(module, weight_decay)
+    policy, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=ds_config, mpu=mpu)
     start_schedule(policy)
     return policy
 
 
-def build_reference(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
+def build_reference(model: ModelSpec, offload: bool, ds_config: dict, vocab_size: int, attn: str, mpu=None):
     """The frozen reference (``--ref-model`` or the policy's own weights): a ZeRO-3 engine, or a plain module."""
-    return _frozen(cfg, cfg.ref_model or cfg.model, reference_ds_config(ds_config, cfg.ref_offload), vocab_size, attn,
+    return _frozen(model, model.reference or model.path, reference_ds_config(ds_config, offload), vocab_size, attn,
                    mpu)
 
 
-def build_evaluated_policy(cfg: TrainConfig, ds_config: dict, vocab_size: int, attn: str, mpu=None):
+def build_evaluated_policy(model: ModelSpec, ds_config: dict, vocab_size: int, attn: str, mpu=None):
     """``eval``: the policy (--model) forward only, built like the reference (no optimizer, no gradients)."""
-    return _frozen(cfg, cfg.model, reference_ds_config(ds_config, offload=False), vocab_size, attn, mpu)
+    return _frozen(model, model.path, reference_ds_config(ds_config, offload=False), vocab_size, attn, mpu)
 
 
-def _frozen(cfg: TrainConfig, model_path: str | None, ref_ds: dict, vocab_size: int, attn: str, mpu):
+def _frozen(model: ModelSpec, path: str | None, ref_ds: dict, vocab_size: int, attn: str, mpu):
     """A forward-only model in eval mode under ``ref_ds`` (a reference_ds_config): a ZeRO-3 engine, or a plain module."""
-    model = load_model(cfg, model_path, vocab_size, attn, ref_ds)
-    model.eval()
-    model.requires_grad_(False)
+    module = load_model(model, path, vocab_size, attn, ref_ds)
+    module.eval()
+    module.requires_grad_(False)
     if zero_stage(ref_ds) == 3:
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ref_ds, mpu=mpu)
+        engine, _, _, _ = deepspeed.initialize(model=module, config=ref_ds, mpu=mpu)
         engine.eval()
         return engine
     # ZeRO 0-2 shard only optimizer state and gradients; a frozen model has neither, so it stays whole.
-    return model.to(get_accelerator().current_device_name())
+    return module.to(get_accelerator().current_device_name())
 
 
-def model_config(cfg: TrainConfig, vocab_size: int):
-    """The policy's HF config alone (cheap: no weights; a hub id fetches its config.json into the hub cache)."""
-    if cfg.model is not None:
-        config = load_pretrained_config(cfg.model, "--model", cfg.revision, cfg.trust_remote_code)
-        check_model_folder(cfg.model, config, vocab_size, own_tokenizer=cfg.tokenizer is None)
+def model_config(model: ModelSpec, vocab_size: int, own_tokenizer: bool = True):
+    """The policy's HF config alone (cheap: no weights; a hub id fetches its config.json into the hub cache);
+    ``own_tokenizer``: the run's tokenizer is the model folder's (no --tokenizer)."""
+    if model.path is not None:
+        config = load_pretrained_config(model.path, "--model", model.revision, model.trust_remote_code)
+        check_model_folder(model.path, config, vocab_size, own_tokenizer=own_tokenizer)
     else:
-        config = load_model_config(cfg.model_config or "tiny", vocab_size, check_buildable=True)
-    check_forward_rules(config, f"--model {cfg.model}" if cfg.model else f"--model-config {cfg.model_config or 'tiny'}")
+        config = load_model_config(model.built_config, vocab_size, check_buildable=True)
+    check_forward_rules(config, model.source)
     return config
 
 
-def reference_model_config(cfg: TrainConfig, vocab_size: int):
+def reference_model_config(model: ModelSpec, vocab_size: int, own_tokenizer: bool = True):
     """The reference's HF config: --ref-model's, else the policy's."""
-    if cfg.ref_model is not None:
-        config = load_pretrained_config(cfg.ref_model, "--ref-model", None, cfg.trust_remote_code)
-        check_model_folder(cfg.ref_model, config, vocab_size, own_tokenizer=False, where="--ref-model")
-        check_forward_rules(config, f"--ref-model {cfg.ref_model}")
+    if model.reference is not None:
+        config = load_pretrained_config(model.reference, "--ref-model", None, model.trust_remote_code)
+        check_model_folder(model.reference, config, vocab_size, own_tokenizer=False, where="--ref-model")
+        check_forward_rules(config, f"--ref-model {model.reference}")
         return config
-    return model_config(cfg, vocab_size)
+    return model_config(model, vocab_size, own_tokenizer)

@@ -46,17 +46,12 @@ class HeldOut:
 def held_out_set(setup, pairs: PreparedPairs) -> HeldOut:
     """Phase one: the held-out pairs planned for the run's layout (an assemble.RunSetup), and their precomputed
     reference log-probs when the run has a --ref-logps file (InputError when it lacks one of them)."""
-    plan = held_out_plan(setup.plan_cfg, pairs)
+    plan = held_out_plan(setup.spec.plan.config, pairs)
     reference = None
     if setup.precomputed is not None:
-        reference = PrecomputedReference.load(setup.cfg.ref_logps, reference_fingerprint(setup),
+        reference = PrecomputedReference.load(setup.spec.reference.logps_file, reference_fingerprint(setup),
                                               pairs.dataset["pair_id"])
     return HeldOut(pairs, plan, reference)
-
-
-def due(cfg, global_step: int, last: bool) -> bool:
-    """Evaluate after this step: every --eval-steps, and after the last step of the run."""
-    return last or bool(cfg.eval_steps) and global_step % cfg.eval_steps == 0
 
 
 def evaluate(run, progress: bool = False) -> dict:
@@ -65,14 +60,15 @@ def evaluate(run, progress: bool = False) -> dict:
     held = run.setup.held_out
     view = dataclasses.replace(run, setup=dataclasses.replace(run.setup, prepared=held.pairs),
                                reference=held.reference if held.reference is not None else run.reference)
-    layout, plan = run.setup.layout, held.plan
+    spec, plan = run.setup.spec, held.plan
+    layout = spec.layout
     spread = plan.responses is not None  # prompt groups spread over ranks: every pair on every rank, rank 0 counts
     sums: dict = {}
     started = time.perf_counter()
     with torch.no_grad(), evaluating(run.policy):
         batches, references, policies = [], [], []
         rows = plan.ranks[layout.dp_rank]
-        bar = progress_bar(len(rows), "eval", "row", progress and layout.rank == 0 and run.setup.cfg.progress)
+        bar = progress_bar(len(rows), "eval", "row", progress and layout.rank == 0 and spec.outputs.progress)
         for row in rows:
             batches.append(view.row_batch(row, plan))
             references.append(None if spread and view.reference_is_precomputed else view.reference_logps(batches[-1]))
@@ -81,17 +77,17 @@ def evaluate(run, progress: bool = False) -> dict:
         bar.close()
         if spread:
             policy, reference = exchanged_pairs(view, plan, batches, policies, references)
-            statistic = spread_statistic(plan, run.setup.loss_cfg, policy, reference)
+            statistic = spread_statistic(plan, spec.loss, policy, reference)
             partners = statistic.partners(torch.arange(plan.num_pairs)) if statistic is not None else None
-            losses, per_pair = pair_losses(policy, reference, run.setup.loss_cfg, partners)
+            losses, per_pair = pair_losses(policy, reference, spec.loss, partners)
             add_sums(sums, {**metric_sums(per_pair, policy), "loss_sum": losses.sum()}, float(layout.rank == 0))
         else:
             statistic, slots = None, slot_index(plan)
-            if run.setup.loss_cfg.batch_coupled:  # sorted / token-averaged over the whole held-out set
+            if spec.loss.batch_coupled:  # sorted / token-averaged over the whole held-out set
                 statistic = step_statistic(plan, batches, policies, references, layout, run.device)
             for batch, policy, reference in zip(batches, policies, references):
                 partners = statistic.partners(slots_of(slots, batch)) if statistic is not None else None
-                losses, per_pair = pair_losses(policy, reference, run.setup.loss_cfg, partners)
+                losses, per_pair = pair_losses(policy, reference, spec.loss, partners)
                 add_sums(sums, {**metric_sums(per_pair, policy), "loss_sum": losses.sum()},
                          float(layout.counts_metrics))
     totals = sum_over_ranks(sums, run.device)

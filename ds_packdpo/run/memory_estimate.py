@@ -25,11 +25,10 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from transformers import AutoModelForCausalLM
 
-from .assemble import RunSetup, model_config, reference_model_config
-from ..model.fused_logps import FUSED
-from ..model.logps import auto_chunk_tokens
+from .assemble import RunSetup
+from ..model.logps import LOGPS_IMPLEMENTATIONS, auto_chunk_tokens
 from ..model.lora import LoraSettings, add_adapters
-from .engines import zero_stage
+from .engines import model_config, reference_model_config, zero_stage
 
 GIB = 2**30
 
@@ -67,15 +66,16 @@ def layer_activation_elements(hf_config) -> int:
 def estimate_memory(setup: RunSetup) -> dict:
     """The per-GPU estimate of ``setup``'s run in bytes: model states, activations with and without activation
     checkpointing (the run's choice marked), the log-prob chunk, and the totals."""
-    cfg, ds = setup.cfg, setup.ds_config
-    hf_config = model_config(cfg, setup.vocab_size)
-    total, largest, trainable = parameter_counts(hf_config, cfg.trust_remote_code, LoraSettings.of(cfg))
+    spec, ds = setup.spec, setup.ds_config
+    model = spec.model
+    hf_config = model_config(model, setup.vocab_size, own_tokenizer=spec.data.tokenizer is None)
+    total, largest, trainable = parameter_counts(hf_config, model.trust_remote_code, model.lora)
     frozen = total - trainable
     zero = ds.get("zero_optimization", {})
     offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     offload_params = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
-    world = setup.layout.world_size
-    element = 2 if cfg.dtype == "bf16" else 4
+    world = spec.layout.world_size
+    element = 2 if model.dtype == "bf16" else 4
     stage3 = zero_stage(ds) == 3
     # the trained parameters' states; frozen ones are weights alone, partitioned (ZeRO-3) or whole (0-2)
     _, states, _ = estimate_zero3_model_states_mem_needs(trainable, largest, num_gpus_per_node=world,
@@ -89,27 +89,28 @@ def estimate_memory(setup: RunSetup) -> dict:
     optimizer = 0 if offload_optimizer else OPTIMIZER_BYTES_PER_PARAMETER * trainable // world
     states += frozen_weights
     reference = 0
-    if setup.precomputed is None and setup.loss_cfg.needs_reference and not (cfg.lora_r and cfg.ref_model is None):
-        ref_total = total if cfg.ref_model is None else parameter_counts(reference_model_config(
-            cfg, setup.vocab_size), cfg.trust_remote_code)[0]
-        reference = 0 if cfg.ref_offload else ref_total * element // (world if stage3 else 1)
-    tokens = cfg.row_budget
+    if setup.precomputed is None and spec.loss.needs_reference and not (model.lora and model.reference is None):
+        ref_total = total if model.reference is None else parameter_counts(reference_model_config(
+            model, setup.vocab_size), model.trust_remote_code)[0]
+        reference = 0 if spec.reference.offload else ref_total * element // (world if stage3 else 1)
+    tokens = spec.plan.row_budget
     layers = hf_config.num_hidden_layers
     per_layer = tokens * layer_activation_elements(hf_config) * element
     # backward holds the gradients of one layer's activations as it runs; a recomputed layer's own come on top
     activations = {"full": (layers + 1) * per_layer + 2 * tokens * hf_config.hidden_size * element,
                    "checkpointed": layers * tokens * hf_config.hidden_size * element + 2 * per_layer}
-    chunk = cfg.logps_chunk
+    chunk = spec.logps.chunk_tokens
     if chunk == "auto":  # what the lean head will pick for a full row (model/logps.auto_chunk_tokens)
         chunk = auto_chunk_tokens(tokens, hf_config.hidden_size, hf_config.vocab_size, element)
     # plain holds the whole row's logits, lean one chunk's, fused none (cut-cross-entropy works in on-chip memory)
-    chunk_tokens = {"plain": tokens, FUSED: 0}.get(cfg.logps_impl, min(chunk, tokens))
+    held = LOGPS_IMPLEMENTATIONS[spec.logps.impl].logits_held
+    chunk_tokens = {"row": tokens, "none": 0, "chunk": min(chunk, tokens)}[held]
     logps_chunk = 3 * chunk_tokens * hf_config.vocab_size * 4
-    kept = "checkpointed" if cfg.gradient_checkpointing else "full"
+    kept = "checkpointed" if model.gradient_checkpointing else "full"
     return {"parameters": total, "trainable_parameters": trainable, "largest_layer_parameters": largest,
             "world_size": world, "row_tokens": tokens, "model_states": int(states),
             "optimizer_states": optimizer, "frozen_weights": frozen_weights, "reference_weights": int(reference),
-            "activations": activations, "activation_checkpointing": cfg.gradient_checkpointing,
+            "activations": activations, "activation_checkpointing": model.gradient_checkpointing,
             "logps_chunk": logps_chunk,
             "total": int(states + reference + activations[kept] + logps_chunk),
             "total_other_checkpointing": int(states + reference + activations["full" if kept != "full"

@@ -12,14 +12,42 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..config import to_dict
-from .checkpoint import trim_metrics
+from ..errors import InputError
+from ..files import atomic_write
+
+# --report-to's names -> the DeepSpeed config's monitor sections
+MONITORS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": "csv_monitor", "comet": "comet"}
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What a run shows and writes besides its checkpoints: the run folder and its files, the step log, the progress
+    bars, DeepSpeed's monitors, the libraries' noise."""
+
+    output_dir: Path
+    metrics_path: Path  # --metrics-out, default OUTPUT_DIR/metrics.jsonl
+    overwrite: bool  # may write into a non-empty run folder
+    progress: bool  # rank 0's bars (--no-progress: a line every logging_steps steps instead)
+    logging_steps: int
+    verbose: bool  # the libraries' warnings and DeepSpeed's INFO lines
+    monitors: tuple[str, ...]  # --report-to, each once, in order
+    run_name: str  # --run-name, default the run folder's name
+    project: str | None  # the wandb or comet project
+    peak_tflops: float | None  # one device's peak, for MFU
+
+    def __post_init__(self):
+        unknown = sorted(set(self.monitors) - set(MONITORS))
+        if unknown:
+            raise InputError(f"--report-to: {', '.join(unknown)} is not one of {', '.join(MONITORS)}")
+        if self.project is not None and not {"wandb", "comet"} & set(self.monitors):
+            raise InputError(f"--project {self.project} names a wandb or comet project: add --report-to wandb or comet")
 
 
 def add_sums(sums: dict, row_sums: dict, weight: float) -> None:
@@ -48,24 +76,24 @@ def sum_over_ranks(sums: dict, device) -> dict[str, float]:
 
 class MetricsWriter:
     def __init__(self, run, total_steps: int, done_steps: int, resumed: bool, plan_summary: dict):
-        cfg = run.setup.cfg
+        outputs = run.setup.spec.outputs
         self.policy = run.policy
-        self.enabled = run.setup.layout.rank == 0
+        self.enabled = run.setup.spec.layout.rank == 0
         self.file = None
         self.eval_figures: dict[str, str] = {}  # the latest evaluation's, shown on the bar until the next one
         self.total_steps = total_steps
-        self.line_every = None if cfg.progress else cfg.logging_steps  # --no-progress: a line every N steps
-        self.metrics_path = cfg.resolved_metrics_out
+        self.line_every = None if outputs.progress else outputs.logging_steps  # --no-progress: a line every N steps
+        self.metrics_path = outputs.metrics_path
         self.bar = tqdm(total=total_steps, initial=min(done_steps, total_steps), desc="dpo", unit="step",
-                        dynamic_ncols=True, disable=not (self.enabled and cfg.progress))
+                        dynamic_ncols=True, disable=not (self.enabled and outputs.progress))
         if not self.enabled:
             return
-        out = Path(cfg.output_dir)
+        out = outputs.output_dir
         out.mkdir(parents=True, exist_ok=True)
-        (out / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+        (out / "run_config.json").write_text(json.dumps(run.setup.spec.settings, indent=2) + "\n")
         (out / "data_summary.json").write_text(json.dumps(run.setup.prepared.summary, indent=2) + "\n")
         (out / "plan_summary.json").write_text(json.dumps(plan_summary, indent=2) + "\n")
-        path = Path(cfg.resolved_metrics_out)
+        path = outputs.metrics_path
         path.parent.mkdir(parents=True, exist_ok=True)
         if resumed:
             trim_metrics(path, done_steps)  # records of steps the resume undoes
@@ -117,3 +145,20 @@ class MetricsWriter:
         self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+def trim_metrics(path: Path, global_step: int) -> int:
+    """On resume: keep the records of steps <= ``global_step`` (later ones were undone); returns how many were cut."""
+    if not path.is_file():
+        return 0
+    def kept_step(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= global_step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return False  # a line torn by the crash
+
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if kept_step(line)]
+    if len(kept) < len(lines):
+        atomic_write(path, lambda temporary: Path(temporary).write_text("".join(line + "\n" for line in kept)))
+    return len(lines) - len(kept)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +32,11 @@ from ..data.prepare import tokenizer_fingerprint
 from ..errors import InputError
 from ..files import atomic_write, check_not_an_input
 from ..hub import hub_commit, is_hub_id
-from ..model.build import load_model_config
+from ..model.build import ModelSpec, load_model_config
 from ..model.logps import SequenceLogps
+from ..model.loss_registry import LossConfig
 from .engines import zero_stage
+from .reference_sync import RefSync
 
 # 2: sums stored and read in fp64 (version 1 held their fp32 rounding, 2.6e-4 nats off at 512 tokens); a version-1
 # file is refused by the fingerprint check rather than read as if exact.
@@ -45,6 +48,54 @@ _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _HASH_BLOCK = 1 << 24
 
 
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """Where a run's reference log-probs come from besides the model: a precomputed file, the reference's parameters
+    offloaded, the reference mixed toward the policy (TR-DPO).  Checked against what the rest of the run says of its
+    reference (the ``InitVar`` facts, given when it is made)."""
+
+    logps_file: str | None  # --ref-logps: no reference model at all
+    offload: bool  # --ref-offload (ZeRO-3)
+    sync: RefSync | None  # --sync-ref-model (None: a fixed reference)
+    lora: InitVar[bool] = False  # the policy trains LoRA adapters (its reference: the policy with them off)
+    separate_model: InitVar[bool] = False  # --ref-model names a reference model
+    loss: InitVar[LossConfig | None] = None  # the run's loss (one that needs no reference: SimPO)
+    held_out_dataset: InitVar[bool] = False  # --eval-dataset: held-out pairs of another dataset
+
+    def __post_init__(self, lora: bool, separate_model: bool, loss: LossConfig | None, held_out_dataset: bool):
+        if self.logps_file is not None and held_out_dataset:
+            raise InputError(f"--eval-dataset with --ref-logps {self.logps_file}: the file holds the reference log-probs "
+                             f"of --dataset only; evaluate on --eval-fraction of it, or drop --ref-logps")
+        if lora and self.offload and not separate_model and self.logps_file is None:
+            raise InputError("--ref-offload with --lora-r: the reference is the policy with its adapters off, there "
+                             "is no reference model to offload (give --ref-model to use a separate one)")
+        if self.sync is not None:  # TR-DPO needs a reference model of its own to mix (TRL refuses the same)
+            if lora:
+                raise InputError("--sync-ref-model with --lora-r: LoRA's reference is the policy with its adapters off "
+                                 "(or a --ref-model the adapters never reach), not a model to mix toward the policy; "
+                                 "TRL refuses it too; train every weight to use TR-DPO")
+            if self.logps_file is not None:
+                raise InputError(f"--sync-ref-model with --ref-logps {self.logps_file}: precomputed log-probs are of a "
+                                 f"fixed reference, which TR-DPO moves; drop one of them")
+            if loss is not None and not loss.needs_reference:
+                raise InputError(f"--sync-ref-model with --loss {loss.loss_type}: {loss.specs[0].title} is "
+                                 f"reference-free, there is no reference to mix")
+        if self.logps_file is not None:
+            if not Path(self.logps_file).is_file():
+                raise InputError(f"--ref-logps {self.logps_file}: no such file")
+            conflict = precomputed_conflict(loss, self.offload)
+            if conflict:
+                raise InputError(f"--ref-logps {self.logps_file}: {conflict}; drop one of them")
+
+
+def precomputed_conflict(loss: LossConfig | None, offload: bool) -> str | None:
+    """Why a run takes no precomputed reference (None: it does): its loss needs none, or it offloads a reference
+    model."""
+    if loss is not None and not loss.needs_reference:
+        return f"--loss {loss.loss_type} is reference-free"
+    return "--ref-offload needs a reference model" if offload else None
+
+
 def meta_path(path) -> Path:
     return Path(f"{path}.meta.json")
 
@@ -53,7 +104,7 @@ def _sha256_json(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
+def model_fingerprint(model: ModelSpec, vocab_size: int, zero_init: bool) -> dict:
     """Identity of the reference model: a folder's config + weight files (content), a hub id's commit, or a built
     config + seed.
 
@@ -63,14 +114,14 @@ def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
     Hashing the weight files reads them once (about 1 GB/s): the price of never
     training against log-probs of another checkpoint saved at the same path.
     """
-    folder = cfg.ref_model or cfg.model
+    folder = model.reference or model.path
     if folder is None:
-        config = load_model_config(cfg.model_config or "tiny", vocab_size).to_dict()
+        config = load_model_config(model.built_config, vocab_size).to_dict()
         config.pop("transformers_version", None)
-        return {"config_sha256": _sha256_json(config), "seed": cfg.seed, "zero_init": zero_init}
+        return {"config_sha256": _sha256_json(config), "seed": model.seed, "zero_init": zero_init}
     if is_hub_id(folder):  # a hub commit names its files exactly; phase one has its config.json in the hub cache
-        revision = cfg.revision if folder == cfg.model else None
-        where = "--ref-model" if cfg.ref_model else "--model"
+        revision = model.revision if folder == model.path else None
+        where = "--ref-model" if model.reference else "--model"
         return {"hub_id": folder, "commit": hub_commit(folder, revision, where)}
     digest = hashlib.sha256()
     for path in sorted(Path(folder).iterdir()):
@@ -85,16 +136,16 @@ def model_fingerprint(cfg, vocab_size: int, zero_init: bool) -> dict:
 def reference_fingerprint(setup) -> dict:
     """Everything that changes a pair's reference log-probs (of an assemble.RunSetup); the row layout and the
     parallel layout do not (invariant 2)."""
-    cfg = setup.cfg
+    spec = setup.spec
     return {
         "format_version": FORMAT_VERSION,
-        "model": model_fingerprint(cfg, len(setup.tokenizer), zero_stage(setup.ds_config) == 3),
+        "model": model_fingerprint(spec.model, len(setup.tokenizer), zero_stage(setup.ds_config) == 3),
         "tokenizer": tokenizer_fingerprint(setup.tokenizer),
         "dataset": setup.prepared.fingerprint,  # content, tokenizer, format, max_length, max_prompt_length
-        "dtype": cfg.dtype,
-        "max_length": cfg.max_length,
-        "max_prompt_length": cfg.max_prompt_length,
-        "ld_alpha": cfg.ld_alpha,  # LD-DPO weighs the stored sums (None, off, matches a file written without it)
+        "dtype": spec.model.dtype,
+        "max_length": spec.data.tokenization.max_length,
+        "max_prompt_length": spec.data.tokenization.max_prompt_length,
+        "ld_alpha": spec.loss.ld_alpha,  # LD-DPO weighs the stored sums (None, off, matches a file written without it)
     }
 
 
@@ -225,7 +276,7 @@ def _setting(value) -> str:
 
 def load_precomputed_reference(setup) -> PrecomputedReference | None:
     """The ``--ref-logps`` file checked against this run (None without it); phase one, before any process group."""
-    if setup.cfg.ref_logps is None:
+    path = setup.spec.reference.logps_file
+    if path is None:
         return None
-    return PrecomputedReference.load(setup.cfg.ref_logps, reference_fingerprint(setup),
-                                     setup.prepared.dataset["pair_id"])
+    return PrecomputedReference.load(path, reference_fingerprint(setup), setup.prepared.dataset["pair_id"])

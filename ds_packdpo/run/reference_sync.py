@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ..errors import InputError
+from ..model.build import ModelSpec
 from .engines import reference_model_config
 
 REFERENCE_FILE = "reference_rank{rank}.safetensors"
@@ -48,12 +49,8 @@ REFERENCE_FILE = "reference_rank{rank}.safetensors"
 class RefSync:
     """--sync-ref-model's settings: mix with ``alpha`` after every ``every``-th optimizer step."""
 
-    alpha: float
-    every: int
-
-    @classmethod
-    def of(cls, cfg) -> RefSync | None:
-        return cls(cfg.ref_model_mixup_alpha, cfg.ref_model_sync_steps) if cfg.sync_ref_model else None
+    alpha: float  # --ref-model-mixup-alpha
+    every: int  # --ref-model-sync-steps
 
     def due(self, global_step: int) -> bool:
         return global_step % self.every == 0
@@ -92,11 +89,12 @@ def check_mixable(policy_config, reference_config, ref_model: str, trust_remote_
                      f"architecture to be mixed into ({why})")
 
 
-def check_sync_settings(cfg, command: str, raw_ds: dict, policy_config, vocab_size: int) -> None:
-    """Phase one of --sync-ref-model (the settings alone are checked by TrainConfig.validate): only ``train`` moves
-    the reference; the policy's partitions must be in memory to be read; a --ref-model must have the policy's
-    parameters."""
-    if not cfg.sync_ref_model:
+def check_sync_settings(sync: RefSync | None, model: ModelSpec, command: str, raw_ds: dict, policy_config,
+                        vocab_size: int) -> None:
+    """Phase one of --sync-ref-model (how it fits the run's other settings is the run's settings' own check,
+    ``assemble.RunSpec``): only ``train`` moves the reference; the policy's partitions must be in memory to be read; a
+    --ref-model must have the policy's parameters."""
+    if sync is None:
         return
     if command != "train":
         raise InputError(f"--sync-ref-model: {command} runs a fixed reference; only train mixes it toward the policy")
@@ -110,8 +108,9 @@ def check_sync_settings(cfg, command: str, raw_ds: dict, policy_config, vocab_si
         if zero.get(key) not in (None, False, 0, 1):
             raise InputError(f"--sync-ref-model with 'zero_optimization.{key}': {zero[key]!r}: the reference is mixed "
                              f"in its plain ZeRO-3 partitions; remove the key")
-    if cfg.ref_model is not None:
-        check_mixable(policy_config, reference_model_config(cfg, vocab_size), cfg.ref_model, cfg.trust_remote_code)
+    if model.reference is not None:
+        check_mixable(policy_config, reference_model_config(model, vocab_size), model.reference,
+                      model.trust_remote_code)
 
 
 def _module(model) -> torch.nn.Module:
@@ -133,7 +132,7 @@ class ReferenceSync:
     @classmethod
     def of(cls, run) -> ReferenceSync | None:
         """The run's sync (None without --sync-ref-model)."""
-        settings = RefSync.of(run.setup.cfg)
+        settings = run.setup.spec.reference.sync
         return None if settings is None else cls(settings, run.policy, run.reference)
 
     def after_step(self, global_step: int) -> bool:

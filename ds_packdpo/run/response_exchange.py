@@ -125,7 +125,7 @@ def exchanged_pairs(run, plan: StepPlan, batches: Sequence[ModelBatch], policies
     precomputed = run.reference if run.reference_is_precomputed else None
     every_policy, every_reference = exchange_sides(
         plan, [(b, [p, None if precomputed is not None else r]) for b, p, r in zip(batches, policies, references)],
-        run.setup.layout.counts_metrics, run.device)
+        run.setup.spec.layout.counts_metrics, run.device)
     everything = torch.arange(plan.num_pairs)
     if precomputed is not None:
         reference = precomputed.pair_logps(plan.pairs, run.device)
@@ -160,21 +160,21 @@ class SpreadStep:
         self.run, self.plan, self.batches = run, plan, batches
         self.device = run.device
         self.positions = slot_pairs(plan)
-        self.writes = setup.layout.counts_metrics  # an sp-rank > 0 holds its group's sums again
-        self.pair_weight = float(setup.layout.rank == 0)  # every rank evaluates every pair: rank 0 counts them
+        self.writes = setup.spec.layout.counts_metrics  # an sp-rank > 0 holds its group's sums again
+        self.pair_weight = float(setup.spec.layout.rank == 0)  # every rank evaluates every pair: rank 0 counts them
         self.precomputed = run.reference if run.reference_is_precomputed else None
         self._references: list[SequenceLogps | None] = [None] * len(batches)
         self.every_reference: SequenceLogps | None = None  # the pre-pass's exchange of the live reference
         self.statistic: StepStatistic | None = None
         policy = reference = None
-        if setup.loss_cfg.needs_policy_prepass:  # every row, dummy rows included (lock-step)
+        if setup.spec.loss.needs_policy_prepass:  # every row, dummy rows included (lock-step)
             self._references = [self.reference_logps(i) for i in range(len(batches))]
             with torch.no_grad():
                 policies = [run.forward_logps(run.policy, batch) for batch in batches]
             policy, reference = exchanged_pairs(run, plan, batches, policies, self._references)
             if self.precomputed is None:  # the gradient pass exchanges the policy's sides alone
                 self.every_reference = reference
-        self.statistic = spread_statistic(plan, setup.loss_cfg, policy, reference)
+        self.statistic = spread_statistic(plan, setup.spec.loss, policy, reference)
 
     def reference_logps(self, i: int) -> SequenceLogps | None:
         """Row i's live reference sums (the pre-pass's when there is one); None with a precomputed reference (looked

@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..errors import InputError
+
 DEEPSPEED_SCHEDULERS = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
 FIRST_ITERATION = 1  # the scheduler iteration of a run's first optimizer step
 
@@ -78,10 +80,27 @@ class Schedule:
         return f"{self.kind} lr {self.peak:g}{end} over {self.total_steps} steps, {warmup}"
 
 
-def run_schedule(cfg, total_steps: int) -> Schedule:
-    """The schedule of a run of ``total_steps`` optimizer steps (--warmup-ratio rounds up, as transformers does)."""
-    warmup = cfg.warmup_steps if cfg.warmup_ratio is None else math.ceil(cfg.warmup_ratio * total_steps)
-    return Schedule(cfg.lr_scheduler, cfg.lr, warmup, total_steps, cfg.min_lr_ratio)
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The LR schedule's settings, before the plan says how many steps the run has (:meth:`over`)."""
+
+    kind: str  # --lr-scheduler: constant | linear | cosine
+    warmup_steps: int
+    warmup_ratio: float | None  # instead of warmup_steps: a fraction of the run's steps
+    min_lr_ratio: float  # the floor of linear and cosine, and where the warm-up starts, as a fraction of --lr
+
+    def __post_init__(self):
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise InputError("--warmup-steps and --warmup-ratio are exclusive; give one")
+        if self.kind == "constant" and self.min_lr_ratio:
+            raise InputError(f"--min-lr-ratio {self.min_lr_ratio} has no effect with --lr-scheduler constant (it is the "
+                             f"floor of linear and cosine); set it to 0 or pick one of them")
+
+    def over(self, peak: float, total_steps: int) -> Schedule:
+        """The schedule of a run of ``total_steps`` optimizer steps peaking at ``peak`` (--warmup-ratio rounds up, as
+        transformers does)."""
+        warmup = self.warmup_steps if self.warmup_ratio is None else math.ceil(self.warmup_ratio * total_steps)
+        return Schedule(self.kind, peak, warmup, total_steps, self.min_lr_ratio)
 
 
 def start_schedule(engine) -> None:

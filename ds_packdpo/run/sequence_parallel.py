@@ -38,11 +38,10 @@ from deepspeed.sequence.layer import DistributedAttention
 from transformers import AttentionInterface, modeling_flash_attention_utils
 
 from ..errors import InputError
-from ..model.attention import PACKED_KERNELS, SDPA_VARLEN, ULYSSES_ATTN, is_flash, refuse_unsupported_kwargs
+from ..model.attention import BACKENDS, PACKED_KERNELS, ULYSSES_ATTN, refuse_unsupported_kwargs
 from ..model.collate import IGNORE_INDEX, ModelBatch, PrefixLayout
 from ..model.logps import AUTO_CHUNK, SequenceLogps, TokenWeighting, forward_logps
 from ..model.prefix_attention import flash_shared_prefix, shared_prefix_attention
-from ..model.torch_varlen import TORCH_VARLEN
 from .layout import ParallelLayout
 
 # (q, k, v, cu_seqlens, max_seqlen, *, scale, sliding_window, softcap) -> out; q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0, out [T, Hq, D].
@@ -78,11 +77,11 @@ def check_model_heads(hf_config, sp_size: int, where: str) -> None:
 
 def check_attention(attn: str, sp_size: int) -> None:
     """Under SP the local attention is a varlen kernel (flash-attn's or torch's, CUDA) or the exact per-sequence
-    sdpa; nothing else."""
-    if sp_size > 1 and not (is_flash(attn) or attn in ("sdpa", SDPA_VARLEN, TORCH_VARLEN)):
+    sdpa (``AttentionBackend.ulysses_local``); nothing else."""
+    if sp_size > 1 and BACKENDS[attn].ulysses_local is None:
+        able = [name for name, backend in BACKENDS.items() if backend.ulysses_local]
         raise InputError(f"--attn {attn} with --sequence-parallel-size {sp_size}: the local attention of Ulysses "
-                         f"is a varlen kernel or per-sequence sdpa; use --attn {SDPA_VARLEN}, sdpa, {TORCH_VARLEN}, "
-                         f"flash_attention_2 or flash_attention_3")
+                         f"is a varlen kernel or per-sequence sdpa; use --attn {', '.join(able[:-1])} or {able[-1]}")
 
 
 # ----------------------------------------------------------------------------- slicing a row
@@ -158,14 +157,16 @@ def flash_varlen(attn: str) -> LocalVarlenAttention:
 
 
 def local_attention_for(attn: str) -> LocalVarlenAttention:
-    """The local kernel of packed rows: flash-attn's, torch's varlen kernel, or the per-sequence sdpa (also for
-    ``sdpa``)."""
-    return flash_varlen(attn) if is_flash(attn) else PACKED_KERNELS.get(attn, PACKED_KERNELS[SDPA_VARLEN])[0]
+    """The local kernel of packed rows (``AttentionBackend.ulysses_local``): flash-attn's, torch's varlen kernel, or
+    the per-sequence sdpa (also for ``sdpa``)."""
+    local = BACKENDS[attn].ulysses_local
+    return PACKED_KERNELS[local][0] if local in PACKED_KERNELS else flash_varlen(local)
 
 
 def local_shared_attention_for(attn: str):
     """The local kernel of prefix-shared rows (``shared_prefix_attention``'s signature)."""
-    return flash_shared_prefix(attn) if is_flash(attn) else PACKED_KERNELS.get(attn, PACKED_KERNELS[SDPA_VARLEN])[1]
+    local = BACKENDS[attn].ulysses_local
+    return PACKED_KERNELS[local][1] if local in PACKED_KERNELS else flash_shared_prefix(local)
 
 
 # ----------------------------------------------------------------------------- Ulysses through transformers

@@ -86,18 +86,19 @@ class CoupledStep:
 
     def __init__(self, run, plan: StepPlan, batches: Sequence[ModelBatch]):
         self.run, self.batches, self.slots = run, batches, slot_index(plan)
-        self.pair_weight = float(run.setup.layout.counts_metrics)  # an sp-rank > 0 holds its group's sums again
+        self.pair_weight = float(run.setup.spec.layout.counts_metrics)  # an sp-rank > 0 holds its group's sums again
         self.statistic: StepStatistic | None = None
         self._references: list[SequenceLogps | None] = [None] * len(batches)
-        if not run.setup.loss_cfg.batch_coupled:
+        loss = run.setup.spec.loss
+        if not loss.batch_coupled:
             return
         policies = None
-        if run.setup.loss_cfg.needs_policy_prepass:  # the no-grad pre-pass: every row, dummy rows included (lock-step)
+        if loss.needs_policy_prepass:  # the no-grad pre-pass: every row, dummy rows included (lock-step)
             self._references = [run.reference_logps(batch) for batch in batches]
             with torch.no_grad():
                 policies = [run.forward_logps(run.policy, batch) for batch in batches]
         self.statistic = step_statistic(plan, batches, policies, self._references if policies is not None else None,
-                                        run.setup.layout, run.device)
+                                        run.setup.spec.layout, run.device)
 
     def reference_logps(self, i: int) -> SequenceLogps | None:
         """Row i's reference log-probs: the pre-pass's, else computed now."""

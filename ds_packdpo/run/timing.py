@@ -83,10 +83,9 @@ def peak_memory_mb(device_type: str) -> float:
 
 def throughput_meter(run) -> ThroughputMeter:
     """Model TFLOP/s and MFU per step of an assembled run, counted alike in training and in the bench."""
-    prepared = run.setup.prepared
+    prepared, spec = run.setup.prepared, run.setup.spec
     model_reference = run.reference is not None and not run.reference_is_precomputed
     return ThroughputMeter(FlopModel.of(run.policy, with_reference=model_reference), prepared.chosen_lengths,
-                           prepared.rejected_lengths, packed=run.setup.cfg.packing,
-                           world_size=run.setup.layout.world_size, peak_tflops=run.setup.cfg.peak_tflops,
-                           prompt_lengths=prepared.prompt_lengths, prefix_sharing=run.setup.prefix_sharing,
-                           policy_prepass=run.setup.loss_cfg.needs_policy_prepass)
+                           prepared.rejected_lengths, spec.plan.config.layout, world_size=spec.layout.world_size,
+                           peak_tflops=spec.outputs.peak_tflops, prompt_lengths=prepared.prompt_lengths,
+                           policy_prepass=spec.loss.needs_policy_prepass)

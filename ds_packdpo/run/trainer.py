@@ -21,14 +21,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..config import TrainConfig
 from ..data.run_plan import plan_figures, run_plan
 from ..errors import PeerFailureError, RunAbortedError, TooManyBadStepsError, first_line
 from ..model.losses import global_normalized_loss, metric_means, metric_sums, pair_losses
-from . import faults, stop
-from .assemble import Run, RunSetup, prepare, start
-from .checkpoint import Checkpointer, ResumePoint, export_on_end_dir, resolved_save_dir, tag_name
-from .evaluation import due as evaluation_due
+from . import hooks, stop
+from .assemble import Run, RunSetup
+from .checkpoint import Checkpointer, ResumePoint, tag_name
 from .evaluation import evaluate
 from .export import export_checkpoint
 from .layout import describe_sizes
@@ -48,10 +46,11 @@ class DPOTrainer:
 
     def __init__(self, run: Run):
         self.run = run
-        self.cfg = run.setup.cfg
-        self.layout = run.setup.layout
+        self.spec = run.setup.spec
+        self.layout = self.spec.layout
         self.policy = run.policy
         self.device = run.device
+        self.hooks = hooks.installed()
 
     def _skip_if_any_rank_bad(self, loss, bad):
         """Makes a step with a non-finite loss on any rank a step DeepSpeed skips, on every rank alike.
@@ -66,25 +65,22 @@ class DPOTrainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return loss * float("nan") if flag.item() > 0 else loss
 
-    def train_step(self, plan, inject_nan: bool = False) -> dict:
-        """One optimizer step over this rank's rows; returns the metrics of the whole step (all ranks).
-
-        ``inject_nan`` (fault injection, tests only) makes every loss of the step NaN.
-        """
+    def train_step(self, plan, step: int = 0) -> dict:
+        """Optimizer step ``step`` (1-based; a step hook may act on it) over this rank's rows; returns the metrics of
+        the whole step (all ranks)."""
         rows = plan.ranks[self.layout.dp_rank]
         sums: dict[str, torch.Tensor] = {}
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        lr = self.policy.get_lr()[0] if self.policy.get_lr() else self.cfg.lr
+        lr = self.policy.get_lr()[0] if self.policy.get_lr() else self.spec.optimizer.lr
         batches = [self.run.row_batch(row, plan) for row in rows]
-        step = step_rows(self.run, plan, batches)  # rows of whole pairs, or of responses spread over ranks
+        own_rows = step_rows(self.run, plan, batches)  # rows of whole pairs, or of responses spread over ranks
         for i, batch in enumerate(batches):
-            ref = step.reference_logps(i)
+            ref = own_rows.reference_logps(i)
             self.policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
             pol = self.run.forward_logps(self.policy, batch)
-            pol, ref, partners = step.pair_logps(i, pol, ref)  # the pairs whose loss this row's backward carries
-            losses, per_pair = pair_losses(pol, ref, self.run.setup.loss_cfg, partners)
-            if inject_nan:
-                losses = losses * float("nan")
+            pol, ref, partners = own_rows.pair_logps(i, pol, ref)  # the pairs whose loss this row's backward carries
+            losses, per_pair = pair_losses(pol, ref, self.spec.loss, partners)
+            losses = self.hooks.losses(step, losses)
             bad |= ~torch.isfinite(losses.detach()).all()
             loss = global_normalized_loss(losses, plan.num_pairs, self.layout.gradient_divisor)
             if i == len(rows) - 1:
@@ -93,9 +89,9 @@ class DPOTrainer:
             self.policy.step()
             row_sums = metric_sums(per_pair, pol)
             row_sums["loss_sum"] = losses.detach().sum()
-            add_sums(sums, row_sums, step.pair_weight)
+            add_sums(sums, row_sums, own_rows.pair_weight)
             add_sums(sums, {key: torch.tensor(value, dtype=torch.float64, device=self.device)
-                            for key, value in step.token_sums(i).items()}, 1.0)
+                            for key, value in own_rows.token_sums(i).items()}, 1.0)
         totals = sum_over_ranks(sums, self.device)  # one collective per step for every metric
         metrics = metric_means({k: v for k, v in totals.items() if k not in STEP_SUM_KEYS})
         grad_norm = self.policy.get_global_grad_norm()
@@ -109,7 +105,7 @@ class DPOTrainer:
             "computed_tokens": int(round(totals["computed_tokens"])),
             "prompt_tokens_shared": int(round(totals["prompt_tokens_shared"])),
             "rows_per_rank": len(rows),
-            **({"prompt_copy_tokens": plan.prompt_copy_tokens} if self.run.setup.plan_cfg.prompt_groups else {}),
+            **({"prompt_copy_tokens": plan.prompt_copy_tokens} if self.spec.row_layout.groups_prompts else {}),
             "max_rank_tokens": max(plan.rank_tokens),
             "mean_rank_tokens": sum(plan.rank_tokens) / len(plan.rank_tokens),
         })
@@ -135,14 +131,15 @@ def engine_settings(engine) -> dict:
 def plan_summary(setup: RunSetup) -> dict:
     """What the run will do, known before its first step: its pairs, steps, forwards per rank, lock-step utilization,
     held-out pairs and LR schedule (the first line a run prints, and OUTPUT_DIR/plan_summary.json)."""
-    cfg, schedule = setup.cfg, setup.schedule
-    figures = plan_figures(setup.plan_cfg, setup.prepared, cfg.epochs, schedule.total_steps)
+    spec, schedule = setup.spec, setup.schedule
+    figures = plan_figures(spec.plan.config, setup.prepared, spec.plan.epochs, schedule.total_steps)
     held_out = setup.held_out.pairs.chosen_lengths.size if setup.held_out else 0
+    row_layout = spec.plan.config.layout
     return {"pairs": figures["pairs"], "train_pairs": int(setup.prepared.chosen_lengths.size),
-            "steps": schedule.total_steps, "layout": setup.layout.as_dict(),
-            "attention": {"backend": setup.attn, "dtype": cfg.dtype, "prefix_sharing": setup.prefix_sharing,
-                          "prompt_groups": setup.prefix_sharing and cfg.prompt_groups}, **figures,
-            "eval_pairs": held_out, "eval_steps": cfg.eval_steps if held_out else None,
+            "steps": schedule.total_steps, "layout": spec.layout.as_dict(),
+            "attention": {"backend": spec.attention.backend, "dtype": spec.model.dtype,
+                          "prefix_sharing": row_layout.shares_prefixes, "prompt_groups": row_layout.groups_prompts},
+            **figures, "eval_pairs": held_out, "eval_steps": spec.evaluation.steps if held_out else None,
             "schedule": dataclasses.asdict(schedule), "deepspeed_scheduler": setup.ds_config.get("scheduler")}
 
 
@@ -189,10 +186,11 @@ def export_on_end(setup: RunSetup) -> None:
     module's copy, which in bf16 training is not the fp32 master.  Offline, after the
     other ranks have gone: the export may outlast --collective-timeout-s.
     """
-    cfg = setup.cfg
+    checkpoint = setup.spec.checkpoint
     # the latest checkpoint is the final one; a resumed run may replace the export of its own earlier attempt
-    export_checkpoint(resolved_save_dir(cfg), export_on_end_dir(cfg), cfg.dtype,
-                      overwrite=cfg.overwrite or setup.resume is not None, max_shard_size=cfg.max_shard_size)
+    export_checkpoint(checkpoint.save_dir, checkpoint.export_dir, setup.spec.model.dtype,
+                      overwrite=setup.spec.outputs.overwrite or setup.resume is not None,
+                      max_shard_size=checkpoint.max_shard_size)
 
 
 def describe_resume(point: ResumePoint) -> str:
@@ -203,18 +201,18 @@ def describe_resume(point: ResumePoint) -> str:
 
 def train_loop(run: Run, summary: dict) -> list[dict]:
     """The steps of an assembled training run on this rank; returns the per-step metrics (rank 0 also writes them)."""
-    setup, cfg = run.setup, run.setup.cfg
+    setup, spec = run.setup, run.setup.spec
     trainer = DPOTrainer(run)
     reference_sync = ReferenceSync.of(run)  # --sync-ref-model (TR-DPO); None otherwise
-    checkpointer = Checkpointer(cfg, run, reference_sync)
+    checkpointer = Checkpointer(run, reference_sync)
     resume = setup.resume
     if resume is not None:
         checkpointer.restore(run.policy, resume)
-        if setup.layout.rank == 0:
+        if spec.layout.rank == 0:
             print(describe_resume(resume), file=sys.stderr, flush=True)
     steps = setup.schedule.total_steps
     start = resume or ResumePoint(None, epoch=0, epoch_step=0, global_step=0, bad_steps=0)
-    meter = throughput_meter(run) if setup.device_type == "cuda" else None
+    meter = throughput_meter(run) if spec.device_type == "cuda" else None
     if summary:  # rank 0: the start-up guard's figures beside the plan (measured, so not in the plan line)
         summary = {**summary, "packing_check": run.packing_check}
     writer = MetricsWriter(run, steps, start.global_step, resumed=resume is not None, plan_summary=summary)
@@ -222,19 +220,17 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
     timer = StepTimer()
     global_step, bad_steps = start.global_step, start.bad_steps
     position = (start.epoch, start.epoch_step)  # plan position of the next step
-    plans = run_plan(setup.prepared, setup.plan_cfg, cfg.epochs, start_epoch=start.epoch, start_step=start.epoch_step)
+    plans = run_plan(setup.prepared, spec.plan.config, spec.plan.epochs, start_epoch=start.epoch,
+                     start_step=start.epoch_step)
     stop.install()  # from here a SIGTERM/SIGINT stops at a step boundary, saved; before, it ends the rank at once
     try:
         for plan in plans:  # collectives here fail fast on a dead peer, after --collective-timeout-s on a stalled one
             if global_step >= steps:
                 break
-            faults.kill_point(setup.layout.rank, global_step + 1)
-            faults.wait_for_stop(global_step + 1, run.device)
-            armed = faults.arm_kill_in_model(run.policy.module, setup.layout.rank, global_step + 1)
+            undo = trainer.hooks.step_begins(run, global_step + 1)
             timer.begin()
-            metrics = trainer.train_step(plan, inject_nan=faults.nan_step(global_step + 1))
-            for handle in armed:
-                handle.remove()
+            metrics = trainer.train_step(plan, global_step + 1)
+            undo()
             seconds = timer.seconds()
             global_step += 1
             if reference_sync is not None:  # on schedule, skipped steps included (TRL's on_step_end), before eval/save
@@ -243,34 +239,35 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
             bad_steps = bad_steps + 1 if metrics["skipped"] else 0
             record = {"step": global_step, "epoch": plan.epoch, "epoch_step": plan.step, **metrics,
                       "step_time_s": seconds, "tokens_per_s": metrics["tokens"] / seconds,
-                      "pairs_per_s": metrics["pairs"] / seconds, "peak_mem_mb": peak_memory_mb(setup.device_type)}
+                      "pairs_per_s": metrics["pairs"] / seconds, "peak_mem_mb": peak_memory_mb(spec.device_type)}
             if meter is not None:
                 record.update(meter.figures(meter.step_flops(plan), seconds))
-            if setup.held_out is not None and evaluation_due(cfg, global_step, last=global_step >= steps):
+            if setup.held_out is not None and spec.evaluation.due(global_step, last=global_step >= steps):
                 record.update(evaluate(run))
             if not history:  # this process's first step: what the engine ran with
                 record.update(engine_settings(run.policy))
             history.append(record)
             if writer.enabled and metrics["skipped"]:
                 logger.warning(f"step {global_step} skipped: non-finite loss or gradient "
-                               f"({bad_steps} in a row, --max-bad-steps {cfg.max_bad_steps})")
+                               f"({bad_steps} in a row, --max-bad-steps {spec.checkpoint.max_bad_steps})")
             writer.write(record)
-            if bad_steps >= cfg.max_bad_steps:
+            if bad_steps >= spec.checkpoint.max_bad_steps:
                 raise TooManyBadStepsError(f"{bad_steps} consecutive steps (up to step {global_step}) had a non-finite "
-                                           f"loss or gradient (--max-bad-steps {cfg.max_bad_steps}); aborting")
+                                           f"loss or gradient (--max-bad-steps {spec.checkpoint.max_bad_steps}); "
+                                           f"aborting")
             if checkpointer.due(global_step, last=global_step >= steps):
                 checkpointer.save(run.policy, global_step, *position, bad_steps)
             if stop.agreed(run.device) and global_step < steps:  # every rank alike, at this step boundary
                 raise stop_here(checkpointer, run, global_step, position, bad_steps)
-        if cfg.export_on_end and checkpointer.saved_step != global_step:  # the checkpoint the export reads
+        if spec.checkpoint.export_on_end and checkpointer.saved_step != global_step:  # the checkpoint the export reads
             checkpointer.save(run.policy, global_step, *position, bad_steps)
         writer.finish(history)
     except RuntimeError as error:
         if isinstance(error, RunAbortedError) or not is_collective_failure(error):
             raise
         raise PeerFailureError(
-            f"rank {setup.layout.rank}: a collective failed after step {global_step}: another rank died or stalled "
-            f"longer than --collective-timeout-s {cfg.collective_timeout_s:g}; relaunch with --resume auto to continue "
+            f"rank {spec.layout.rank}: a collective failed after step {global_step}: another rank died or stalled "
+            f"longer than --collective-timeout-s {spec.collective_timeout_s:g}; relaunch with --resume auto to continue "
             f"from the last complete checkpoint ({first_line(error)})") from error
     finally:
         writer.close()
@@ -281,23 +278,9 @@ def stop_here(checkpointer: Checkpointer, run: Run, global_step: int, position: 
               bad_steps: int) -> Exception:
     """A stop every rank agreed on after ``global_step``: its checkpoint (unless this step's is saved already, or
     nothing is to be saved), the process group closed, and the error each rank exits with (code 7)."""
-    cfg = run.setup.cfg
-    if (cfg.save_steps or cfg.save_dir) and checkpointer.saved_step != global_step:
+    if run.setup.spec.checkpoint.saves_on_stop and checkpointer.saved_step != global_step:
         checkpointer.save(run.policy, global_step, *position, bad_steps)
     close_process_group()
     tag = tag_name(checkpointer.saved_step) if checkpointer.saved_step is not None else None
-    return stop.stopped(global_step, tag, run.setup.layout.rank)
+    return stop.stopped(global_step, tag, run.setup.spec.layout.rank)
 
-
-def train(cfg: TrainConfig) -> list[dict]:
-    """The whole job on this rank.  Rank 0 prints the plan summary first, before the process group and the engines
-    start."""
-    setup = prepare(cfg, "train")
-    summary = plan_summary(setup) if setup.layout.rank == 0 else {}
-    if summary:
-        print(describe_plan(summary), flush=True)
-    history = train_loop(start(setup), summary)
-    close_process_group()
-    if cfg.export_on_end and setup.layout.rank == 0:
-        export_on_end(setup)
-    return history

@@ -13,17 +13,18 @@ the HF Trainer's DeepSpeed integration, where users learnt it:
 becomes the run's setting (so the plan line, plan_summary.json, run_config.json and
 the metrics report what runs), and its place in the config becomes "auto", which
 :func:`engines.fill_ds_config` then fills from those settings.  Flags left at their
-defaults are told apart from written ones by ``TrainConfig.given``.
+defaults are told apart from written ones by the settings the user wrote (``given``).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
+from collections.abc import Mapping
 
-from ..config import MONITORS, TrainConfig, flag
+from ..config import flag
 from ..errors import InputError
+from .metrics import MONITORS
 from .schedule import DEEPSPEED_SCHEDULERS
 
 SCHEDULE_KINDS = {name: kind for kind, name in DEEPSPEED_SCHEDULERS.items()}  # WarmupLR -> constant, ...
@@ -31,13 +32,18 @@ _ADAM_FAMILY = ("adam", "adamw")  # the optimizers whose params take betas and e
 
 
 class _Taken:
-    """The values read from one DeepSpeed config, each with the key it came from."""
+    """The values read from one DeepSpeed config, each with the key it came from, against the flags' ``settings``
+    (name -> value) of which the user wrote ``given``."""
 
-    def __init__(self, cfg: TrainConfig, source: str):
-        self.cfg = cfg
+    def __init__(self, settings: Mapping[str, object], given: frozenset[str], source: str):
+        self.settings = settings
+        self.given = set(given)
         self.source = source
         self.values: dict[str, object] = {}  # setting -> value
         self.keys: dict[str, str] = {}  # setting -> the DeepSpeed config key that wrote it
+
+    def is_given(self, setting: str) -> bool:
+        return setting in self.given
 
     def take(self, setting: str, value, key: str, shown: str | None = None) -> None:
         """``key`` of the DeepSpeed config writes ``setting`` = ``value`` (``shown``: what the file says, when not
@@ -46,8 +52,8 @@ class _Taken:
         where = f"--ds-config {self.source}: '{key}': {shown}"
         if setting in self.values and not _same(self.values[setting], value):
             raise InputError(f"{where} and '{self.keys[setting]}' differ ({flag(setting)}); give it once")
-        current = getattr(self.cfg, setting)
-        if self.cfg.is_given(setting) and not _same(current, value):
+        current = self.settings[setting]
+        if self.is_given(setting) and not _same(current, value):
             raise InputError(f"{where} and --{flag(setting)} {current} differ; give it in one place")
         self.values[setting] = value
         self.keys[setting] = key
@@ -141,9 +147,9 @@ def _take_scheduler(raw: dict, taken: _Taken) -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise InputError(f"--ds-config {source}: 'scheduler.params.warmup_num_steps' must be an integer >= 0, "
                              f"got {steps!r}")
-        if taken.cfg.is_given("warmup_ratio"):
+        if taken.is_given("warmup_ratio"):
             raise InputError(f"--ds-config {source}: 'scheduler.params.warmup_num_steps': {steps} and --warmup-ratio "
-                             f"{taken.cfg.warmup_ratio} both set the warm-up; give it in one place")
+                             f"{taken.settings['warmup_ratio']} both set the warm-up; give it in one place")
         taken.take("warmup_steps", steps, "scheduler.params.warmup_num_steps")
     if "warmup_max_lr" in params:
         taken.take("lr", _number(params.pop("warmup_max_lr"), "scheduler.params.warmup_max_lr", source),
@@ -154,7 +160,7 @@ def _take_scheduler(raw: dict, taken: _Taken) -> None:
         taken.take("min_lr_ratio", ratio, f"scheduler.params.{key}")
     if "warmup_min_lr" in params:
         floor = _number(params.pop("warmup_min_lr"), "scheduler.params.warmup_min_lr", source)
-        peak = taken.values.get("lr", taken.cfg.lr)
+        peak = taken.values.get("lr", taken.settings["lr"])
         if peak <= 0:
             raise InputError(f"--ds-config {source}: 'scheduler.params.warmup_min_lr' is a fraction of the peak LR, "
                              f"which must be > 0, got {peak}")
@@ -175,8 +181,8 @@ def _take_precision(raw: dict, taken: _Taken) -> None:
         if not isinstance(enabled, bool):
             raise InputError(f"--ds-config {taken.source}: 'bf16.enabled' must be true, false or \"auto\", got "
                              f"{enabled!r}")
-        if taken.cfg.dtype == "auto":  # a written --dtype auto leaves the choice open
-            taken.cfg = dataclasses.replace(taken.cfg, given=taken.cfg.given - {"dtype"})
+        if taken.settings["dtype"] == "auto":  # a written --dtype auto leaves the choice open
+            taken.given.discard("dtype")
         taken.take("dtype", "bf16" if enabled else "fp32", "bf16.enabled", repr(enabled))
         bf16["enabled"] = "auto"
 
@@ -201,11 +207,11 @@ def _take_batch(raw: dict, taken: _Taken, dp_size: int) -> None:
     total = written.get("train_batch_size")
     key, shown = "train_batch_size", None
     if accumulation is not None:
-        micro = taken.values.get("micro_batch_pairs", taken.cfg.micro_batch_pairs)
+        micro = taken.values.get("micro_batch_pairs", taken.settings["micro_batch_pairs"])
         if total is None:
             total, key = micro * accumulation * dp_size, "gradient_accumulation_steps"
             shown = f"{accumulation} (x micro-batch {micro} x {dp_size} data-parallel ranks = {total} pairs)"
-        elif "micro_batch_pairs" in taken.values or taken.cfg.is_given("micro_batch_pairs"):
+        elif "micro_batch_pairs" in taken.values or taken.is_given("micro_batch_pairs"):
             if total != micro * accumulation * dp_size:
                 raise InputError(f"--ds-config {source}: 'train_batch_size': {total} is not micro-batch {micro} x "
                                  f"'gradient_accumulation_steps' {accumulation} x {dp_size} data-parallel ranks")
@@ -215,9 +221,9 @@ def _take_batch(raw: dict, taken: _Taken, dp_size: int) -> None:
         else:
             taken.take("micro_batch_pairs", total // (accumulation * dp_size), "train_batch_size")
     if total is not None:
-        if taken.cfg.is_given("tokens_per_step"):
+        if taken.is_given("tokens_per_step"):
             raise InputError(f"--ds-config {source}: '{key}' sets {total} pairs per step and --tokens-per-step "
-                             f"{taken.cfg.tokens_per_step} closes steps by tokens; give one")
+                             f"{taken.settings['tokens_per_step']} closes steps by tokens; give one")
         taken.take("global_batch_pairs", total, key, shown)
 
 
@@ -228,71 +234,67 @@ def _take_monitors(raw: dict, taken: _Taken) -> None:
     if not written:
         return
     enabled = [name for name, on in written.items() if on]
-    if taken.cfg.is_given("report_to"):
-        asked = set(taken.cfg.monitors)
+    if taken.is_given("report_to"):
+        asked = set(monitor_names(taken.settings["report_to"]))
         clash = sorted(name for name, on in written.items() if on != (name in asked))
         if clash:
             key = MONITORS[clash[0]]
             raise InputError(f"--ds-config {taken.source}: '{key}.enabled': {written[clash[0]]!r} and --report-to "
-                             f"{taken.cfg.report_to} differ; give it in one place")
+                             f"{taken.settings['report_to']} differ; give it in one place")
         return
     taken.take("report_to", ",".join(enabled), "monitor sections' enabled")
 
 
-def take_user_values(cfg: TrainConfig, raw: dict, source: str, dp_size: int) -> tuple[TrainConfig, dict]:
-    """(settings, DeepSpeed config) after the rule of the module docstring: the settings hold every value the config
-    wrote, the config "auto" in their place.  Settings taken from the file count as written (``given``)."""
+def monitor_names(report_to: str | None) -> tuple[str, ...]:
+    """--report-to as a list (in the order given, each once)."""
+    return tuple(dict.fromkeys(name.strip() for name in (report_to or "").split(",") if name.strip()))
+
+
+def take_user_values(settings: Mapping[str, object], given: frozenset[str], raw: dict, source: str,
+                     dp_size: int) -> tuple[dict[str, object], dict[str, str], dict]:
+    """(the values the DeepSpeed config writes, by setting; the key each came from; the config with "auto" in their
+    places), after the rule of the module docstring, against the flags' ``settings`` of which the user wrote
+    ``given``.  The values taken count as written."""
     raw = copy.deepcopy(raw)
-    taken = _Taken(cfg, source)
+    taken = _Taken(settings, given, source)
     _take_optimizer(raw, taken)
     _take_scheduler(raw, taken)
     _take_precision(raw, taken)
     _take_batch(raw, taken, dp_size)
     _take_monitors(raw, taken)
-    cfg = taken.cfg
-    if not taken.values:
-        return cfg, raw
-    cfg = dataclasses.replace(cfg, **taken.values, given=cfg.given | set(taken.values))
-    try:
-        cfg.validate()
-    except InputError as error:
-        raise InputError(f"--ds-config {source}: {error} (after taking {', '.join(taken.keys.values())} from it)") \
-            from None
-    return cfg, raw
+    return taken.values, taken.keys, raw
 
 
-def monitor_sections(cfg: TrainConfig, ds: dict) -> None:
-    """The monitor sections of --report-to in ``ds`` (a config's own settings in them kept): enabled, under the
-    output folder, named after the run, in --project."""
-    if cfg.project is not None and not {"wandb", "comet"} & set(cfg.monitors):
-        raise InputError(f"--project {cfg.project} names a wandb or comet project: add --report-to wandb or comet")
-    for name in cfg.monitors:
+def monitor_sections(outputs, ds: dict) -> None:
+    """The monitor sections of --report-to (``outputs``, a metrics.OutputSpec) in ``ds`` (a config's own settings in
+    them kept): enabled, under the output folder, named after the run, in --project."""
+    for name in outputs.monitors:
         section = ds.setdefault(MONITORS[name], {})
         section["enabled"] = True
         if name in ("tensorboard", "csv"):
-            section.setdefault("output_path", cfg.output_dir)
-            section.setdefault("job_name", cfg.resolved_run_name)
+            section.setdefault("output_path", str(outputs.output_dir))
+            section.setdefault("job_name", outputs.run_name)
         elif name == "wandb":
-            section.setdefault("group", cfg.resolved_run_name)
+            section.setdefault("group", outputs.run_name)
         else:
-            section.setdefault("experiment_name", cfg.resolved_run_name)
-        if name in ("wandb", "comet") and cfg.project is not None:
-            section.setdefault("project", cfg.project)
+            section.setdefault("experiment_name", outputs.run_name)
+        if name in ("wandb", "comet") and outputs.project is not None:
+            section.setdefault("project", outputs.project)
 
 
-def optimizer_section(cfg: TrainConfig) -> dict:
+def optimizer_section(name: str) -> dict:
     """The optimizer DeepSpeed builds when the config has none: the run's settings (betas and eps for Adam/AdamW)."""
     params = {"lr": "auto", "weight_decay": "auto"}
-    if cfg.optimizer.lower() in _ADAM_FAMILY:
+    if name.lower() in _ADAM_FAMILY:
         params.update(betas="auto", eps="auto")
     return {"type": "auto", "params": params}
 
 
-def check_adam_settings(cfg: TrainConfig) -> None:
-    """--adam-beta1/2 and --adam-epsilon configure Adam and AdamW only."""
-    if cfg.optimizer.lower() in _ADAM_FAMILY:
+def check_adam_settings(optimizer: str, given: frozenset[str]) -> None:
+    """--adam-beta1/2 and --adam-epsilon (among the settings written, ``given``) configure Adam and AdamW only."""
+    if optimizer.lower() in _ADAM_FAMILY:
         return
-    written = [f"--{flag(key)}" for key in ("adam_beta1", "adam_beta2", "adam_epsilon") if cfg.is_given(key)]
+    written = [f"--{flag(key)}" for key in ("adam_beta1", "adam_beta2", "adam_epsilon") if key in given]
     if written:
-        raise InputError(f"{', '.join(written)} with --optimizer {cfg.optimizer}: they configure Adam and AdamW "
+        raise InputError(f"{', '.join(written)} with --optimizer {optimizer}: they configure Adam and AdamW "
                          f"only; drop them")

@@ -1,4 +1,6 @@
-"""Fault-injection points for the fault-tolerance tests; inert unless their environment variable is set.
+"""The fault-tolerance tests' step hooks (``ds_packdpo.run.hooks``): inert unless their environment variable is set.
+
+``cpu_env`` (launching.py) names this module in ``DS_PACKDPO_STEP_HOOKS``, so every rank a test starts installs it.
 
 ``DS_PACKDPO_FAULT_KILL=RANK:STEP[:POINT]``  rank RANK SIGKILLs itself during optimizer step STEP, at POINT:
     ``step`` (the default: as the step begins), ``forward`` (inside the policy's forward, in a middle layer),
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -21,13 +24,12 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from unittest import mock
 
 import torch
 
-from . import stop
+from ds_packdpo.run import stop
+from ds_packdpo.run.hooks import StepHooks
 
 KILL_ENV = "DS_PACKDPO_FAULT_KILL"
 NAN_ENV = "DS_PACKDPO_FAULT_NAN_STEPS"
@@ -80,26 +82,45 @@ def arm_kill_in_model(model: torch.nn.Module, rank: int, step: int) -> list:
     return [layer.register_forward_hook(hook)]
 
 
-def nan_step(step: int) -> bool:
-    return str(step) in os.environ.get(NAN_ENV, "").split(",")
+class FaultHooks(StepHooks):
+    """The faults the environment asks for, at the run's step hooks."""
+
+    def step_begins(self, run, step: int):
+        rank = run.setup.spec.layout.rank
+        kill_point(rank, step)
+        wait_for_stop(step, run.device)
+        armed = arm_kill_in_model(run.policy.module, rank, step)
+        return lambda: [handle.remove() for handle in armed]
+
+    def losses(self, step: int, losses: torch.Tensor) -> torch.Tensor:
+        return losses * float("nan") if str(step) in os.environ.get(NAN_ENV, "").split(",") else losses
+
+    @contextlib.contextmanager
+    def saving(self, rank: int, step: int):
+        """The disk-full fault, when asked for this rank and step."""
+        if os.environ.get(DISK_FULL_ENV) != f"{rank}:{step}":
+            yield
+            return
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if not str(f).endswith("optim_states.pt"):
+                return real_save(obj, f, *args, **kwargs)
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            with open(f, "wb") as handle:
+                handle.write(buffer.getbuffer()[: buffer.tell() // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+
+        with mock.patch.object(torch, "save", save):
+            yield
+
+    def saved(self, rank: int, step: int) -> None:
+        kill_point(rank, step, "save")
+
+    def converted(self, step: int) -> None:
+        kill_point(0, step, "universal")
 
 
-@contextmanager
-def full_disk(rank: int, step: int) -> Iterator[None]:
-    """While a checkpoint is written: the disk-full fault, when asked for this rank and step."""
-    if os.environ.get(DISK_FULL_ENV) != f"{rank}:{step}":
-        yield
-        return
-    real_save = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if not str(f).endswith("optim_states.pt"):
-            return real_save(obj, f, *args, **kwargs)
-        buffer = io.BytesIO()
-        real_save(obj, buffer, *args, **kwargs)
-        with open(f, "wb") as handle:
-            handle.write(buffer.getbuffer()[: buffer.tell() // 2])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
-
-    with mock.patch.object(torch, "save", save):
-        yield
+def step_hooks() -> StepHooks:
+    return FaultHooks()
