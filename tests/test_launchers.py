@@ -212,7 +212,7 @@ def test_scripts_refuse_incomplete_settings(fake_tools, tmp_path, script, args, 
 def test_train_outside_a_launcher_picks_a_free_port(monkeypatch):
     """`ds-packdpo train` starts the deepspeed launcher itself: on a free port unless told one."""
     commands = []
-    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s: commands.append(cmd) or LaunchOutcome(0))
+    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s, on_line=None: commands.append(cmd) or LaunchOutcome(0))
     for key in cli.LAUNCHED_ENV:
         monkeypatch.delenv(key, raising=False)
     assert cli.main(["train", "--max-steps", "1"]) == 0
