@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,6 +76,26 @@ def one_run_report(loss: str, model_flops: float, prepass_flops: float) -> dict:
                            "vocab_size"), 1)
     return build_report("cmd", {"world_size": 1, "dp_size": 1, "sp_size": 1}, "synthetic", model, environment,
                         settings, {"packed": run_})
+
+
+def test_rank_real_tokens_count_pair_sides_where_groups_are_spread():
+    """A step's rank_real_tokens add up to its real tokens when prompt groups are spread over ranks: a pair whose two
+    sides lie on two ranks gives each its side (counted by pair, every rank holding a side would count both)."""
+    from ds_packdpo.data.plan import PlanConfig, iter_plan
+    from ds_packdpo.data.prompt_groups import PairGroups
+
+    first, second = np.triu_indices(6, 1)  # every pair of 6 responses, 3 prompts for 4 ranks: a group is split
+    group = np.repeat(np.arange(3), first.size)
+    prompt = np.full(group.size, 30)
+    response = np.random.default_rng(0).integers(20, 200, (3, 6))
+    chosen, rejected = prompt + response[group, np.tile(first, 3)], prompt + response[group, np.tile(second, 3)]
+    cfg = PlanConfig(max_tokens_per_row=4000, dp_size=4, global_batch_pairs=group.size, layout=RowLayout.PROMPT_GROUPS)
+    plan = next(iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt,
+                          groups=PairGroups(group, group * 6 + np.tile(first, 3), group * 6 + np.tile(second, 3))))
+    share = plan.side_rows() // plan.rows_per_rank
+    assert (share[:, 0] != share[:, 1]).any()  # pairs across ranks
+    per_rank = bench.rank_real_tokens(plan, (chosen, rejected))
+    assert len(per_rank) == 4 and sum(per_rank) == int((chosen + rejected).sum())
 
 
 def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
