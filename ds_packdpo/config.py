@@ -80,7 +80,8 @@ RANGES: dict[str, Range] = {
     **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc",
                      "sequence_parallel_size", "logging_steps", "max_tokens_per_row", "global_batch_pairs",
                      "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs", "eval_steps", "eval_max_pairs",
-                     "save_steps", "save_total_limit", "max_bad_steps", "ref_model_sync_steps"), AT_LEAST_1),
+                     "save_steps", "save_total_limit", "max_bad_steps", "ref_model_sync_steps", "profile_steps"),
+                    AT_LEAST_1),
     **dict.fromkeys(("peak_tflops", "collective_timeout_s", "lora_alpha"), ABOVE_0),
     **dict.fromkeys(("adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "lora_dropout"), FRACTION),
     "seed": Range(0, LARGEST_SEED, note=" (numpy's seeds)"),
@@ -226,6 +227,10 @@ class TrainConfig:
     # --- throughput (MFU in the per-step log and the bench) ---
     peak_tflops: float | None = _opt("Peak TFLOP/s of one device at the run's precision, for MFU (logged on GPU only; "
                                      "e.g. 989 for an H100 SXM in bf16).")
+    profile_steps: int | None = _opt(
+        "Run N optimizer steps (from the second) under torch.profiler and write OUTPUT_DIR/profile.json (the table "
+        "also in profile.md): the step's device time by category (GEMMs, attention, the log-prob stage, elementwise, "
+        "ZeRO-3 collectives, optimizer) with their FLOPs, and the time the device sat idle waiting for the host.")
     # --- outputs ---
     output_dir: str = _opt("Run folder (metrics, logs).", "runs/train")
     metrics_out: str | None = _opt("Per-step JSON lines (default OUTPUT_DIR/metrics.jsonl).")

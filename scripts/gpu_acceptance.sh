@@ -17,6 +17,8 @@
 #            causal alignment and GQA probes, the bf16 guard figures
 #   logps    scripts/gpu_logps.py: the log-prob stage of a 16k-token row at a 128k vocabulary, full logits vs lean
 #            chunks vs the fused kernel (cut-cross-entropy): peak memory, time, difference from fp32
+#   profile  the train stage's run, steps 2-3 under torch.profiler (--profile-steps): the step's GPU time by category
+#            (GEMMs, attention, log-prob stage, elementwise, ZeRO-3 collectives, optimizer, idle), FLOPs per category
 #   train    1-GPU ZeRO-3 bf16 DPO of a random Llama-3.2-1B-shaped model on dpo_en_demo.json, max length 4096,
 #            16k-token rows, --attn auto (torch_varlen without flash-attn): tokens/s, pairs/s, MFU, peak memory
 #   bench    the same model: packed (prefix-shared) vs packed-no-prefix-sharing vs padded vs packed-sdpa-varlen
@@ -57,7 +59,7 @@ stage() {  # stage NAME SECONDS COMMAND...: output to OUT/NAME.log, exit code an
     fi
     started=$(date +%s%N)
     echo "== $name (limit ${limit}s): $*" | tee "$OUT/$name.log"
-    timeout --kill-after=10 "$limit" "$@" >> "$OUT/$name.log" 2>&1
+    timeout --kill-after=10 $(( limit * ${LIMIT_SCALE:-1} )) "$@" >> "$OUT/$name.log" 2>&1
     rc=$?
     printf '{"stage": "%s", "rc": %d, "seconds": %d.%01d}\n' "$name" "$rc" $(( ($(date +%s%N) - started) / 1000000000 )) \
         $(( ($(date +%s%N) - started) / 100000000 % 10 )) >> "$OUT/stages.jsonl"
@@ -92,6 +94,7 @@ export PATH=$SITE/bin:$PATH
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 if [[ -n $SMOKE ]]; then
     export DS_ACCELERATOR=cpu
+    LIMIT_SCALE=${LIMIT_SCALE:-5}  # a shared CPU takes longer than the GPU machine the limits are set for
     MATRIX=(--device cpu --attn sdpa_varlen)
     RUN=(--dtype fp32 --max-length 512 --max-tokens-per-row 2048 --global-batch-pairs 8)
     TRAIN_STEPS=3; BENCH=(--configurations packed,padded --max-steps 2 --bench-warmup-steps 1)
@@ -113,6 +116,9 @@ stage matrix 120 "$PY" scripts/gpu_check.py "${MATRIX[@]}" --json-out "$OUT/matr
 stage kernels 60 "$PY" scripts/gpu_check.py "${MATRIX[@]}" --kernels-only
 [[ -z $SMOKE ]] && stage logps 60 "$PY" scripts/gpu_logps.py --json-out "$OUT/logps.json"
 stage setup 45 "$PY" scripts/gpu_acceptance.py setup "$WORK" ${SMOKE:+--smoke}
+# first what tells most: where a step goes (steps 2-3 under torch.profiler, OUT/profile/profile.json)
+stage profile 100 deepspeed --num_gpus 1 --master_port 29610 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}" \
+    --max-steps 3 --profile-steps 2 --skip-packing-check --output-dir "$OUT/profile" --overwrite
 stage train 130 deepspeed --num_gpus 1 --master_port 29611 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}" \
     --max-steps "$TRAIN_STEPS" --output-dir "$OUT/train" --overwrite
 # A start-up guard that refused the model (exit 3) is recorded by the train stage; the bench then measures with

@@ -152,7 +152,7 @@ def output_spec(flags: TrainConfig) -> OutputSpec:
                       overwrite=flags.overwrite, progress=flags.progress, logging_steps=flags.logging_steps,
                       verbose=flags.verbose, monitors=monitor_names(flags.report_to),
                       run_name=flags.run_name or output_dir.resolve().name, project=flags.project,
-                      peak_tflops=flags.peak_tflops)
+                      peak_tflops=flags.peak_tflops, profile_steps=flags.profile_steps)
 
 
 def logps_chunk(flags: TrainConfig) -> int | str:
