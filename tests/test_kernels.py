@@ -19,11 +19,12 @@ from ds_packdpo.config import parse_train_args
 from ds_packdpo.errors import InputError
 from ds_packdpo.model import kernels
 from ds_packdpo.model.attention import attn_implementation
-from ds_packdpo.model.build import tiny_config
+from ds_packdpo.model.build import ModelSpec, tiny_config
 from ds_packdpo.model.collate import collate_packed
 from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.model.logps import forward_logps
 from ds_packdpo.run import assemble
+from ds_packdpo.run.engines import load_model
 
 VOCAB = 300
 
@@ -90,3 +91,13 @@ def test_liger_patches_norm_swiglu_rotary_and_leaves_the_log_prob_stage(monkeypa
     kernels.apply_liger_kernels(model)
     assert calls == [{"model": model, "rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
                       "fused_linear_cross_entropy": False}]
+
+
+@pytest.mark.parametrize("compile_layers", [True, False])
+def test_the_flag_compiles_the_built_model_s_layers(compile_layers):
+    """--compile-layers / --no-compile-layers: the model a run builds (engines.load_model) has compiled layers or not."""
+    spec = ModelSpec(path=None, config="tiny", reference=None, revision=None, trust_remote_code=False, dtype="fp32",
+                     seed=0, lora=None, gradient_checkpointing=False, compile_layers=compile_layers)
+    model = load_model(spec, None, VOCAB, "sdpa_varlen")
+    compiled = [hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in kernels.decoder_layers(model)]
+    assert compiled == [compile_layers] * 2
