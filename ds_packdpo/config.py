@@ -288,8 +288,8 @@ class TrainConfig:
         "dimension dynamic so that rows of a new length do not recompile; attention and ZeRO-3's hooks stay "
         "eager): the same figures, faster where the GPU waits on many small kernels.", False)
     liger_kernels: bool = _opt(
-        "liger-kernel's fused Triton RMSNorm, SwiGLU and rotary kernels in the model (CUDA, pip install "
-        "liger-kernel); on a CPU the model keeps torch's layers, with one warning.", False)
+        "liger-kernel's fused Triton RMSNorm, SwiGLU and rotary kernels in the model (CUDA, pip install -e "
+        "'.[liger]'); on a CPU the model keeps torch's layers, with one warning.", False)
     lr_scheduler: str = _opt(
         "LR after the warm-up: constant, linear decay or cosine decay to --min-lr-ratio x --lr at the end of the run "
         "(DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR; the total steps come from the plan).", "linear",

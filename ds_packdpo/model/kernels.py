@@ -56,12 +56,25 @@ def compile_decoder_layers(model: torch.nn.Module, backend=COMPILE_BACKEND) -> i
     return len(layers)
 
 
+def keep_hooks_eager(model: torch.nn.Module) -> None:
+    """The forward hooks of the compiled layers' submodules (ZeRO-3's gather and release, registered when the engine
+    starts) left out of the graphs: traced, DeepSpeed's hook wrappers recompile with every new module type (up to
+    torch's limit) and split the layer's graph anyway.  Called once the engine holds the model (idempotent)."""
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    if not getattr(hook, "_ds_packdpo_eager", False):
+                        hooks[key] = torch.compiler.disable(hook)
+                        hooks[key]._ds_packdpo_eager = True
+
+
 def liger_obstacle(device_type: str) -> str | None:
     """Why --liger-kernels cannot run here: the reason the model keeps torch's layers (None: they run)."""
     if device_type != "cuda":
         return f"liger-kernel's Triton kernels run on CUDA only; this run's device is {device_type}"
     if importlib.util.find_spec("liger_kernel") is None:
-        return "the liger-kernel package is not installed (pip install liger-kernel)"
+        return "the liger-kernel package is not installed (pip install -e '.[liger]')"
     return None
 
 

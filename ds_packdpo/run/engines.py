@@ -26,7 +26,7 @@ from ..config import read_mapping
 from ..errors import InputError, first_line
 from ..model.config_rules import check_forward_rules, check_model_folder
 from ..model.build import TORCH_DTYPES, ModelSpec, build_model, load_model_config, load_pretrained_config
-from ..model.kernels import apply_liger_kernels, compile_decoder_layers
+from ..model.kernels import apply_liger_kernels, compile_decoder_layers, keep_hooks_eager
 from ..model.lora import add_adapters
 from ..model.param_groups import weight_decay_groups
 from .layout import ParallelLayout
@@ -308,6 +308,8 @@ def build_policy(model: ModelSpec, weight_decay: float, ds_config: dict, vocab_s
                               base=str(Path(model.path).resolve()) if model.path else None)
     groups = weight_decay_groups(module, weight_decay)
     policy, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=ds_config, mpu=mpu)
+    if model.compile_layers:
+        keep_hooks_eager(policy.module)
     start_schedule(policy)
     return policy
 
@@ -331,6 +333,8 @@ def _frozen(model: ModelSpec, path: str | None, ref_ds: dict, vocab_size: int, a
     if zero_stage(ref_ds) == 3:
         engine, _, _, _ = deepspeed.initialize(model=module, config=ref_ds, mpu=mpu)
         engine.eval()
+        if model.compile_layers:
+            keep_hooks_eager(engine.module)
         return engine
     # ZeRO 0-2 shard only optimizer state and gradients; a frozen model has neither, so it stays whole.
     return module.to(get_accelerator().current_device_name())
