@@ -30,6 +30,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --implementation cp --p
     -d .whl "${WHEELS[@]}"
 python3 -m pip download -q --no-deps --no-binary=:all: -d .whl "deepspeed==0.19.8"
 # the demo data: the device machine receives the checkout alone, not ../shared beside it
-mkdir -p .gpu_data && cp ../shared/data/dpo_en_demo.json .gpu_data/
+mkdir -p .gpu_data && cp ../shared/data/dpo_en_demo.json ../shared/data/multi_response_demo.jsonl .gpu_data/
 du -sh .whl .gpu_data
 ls .whl

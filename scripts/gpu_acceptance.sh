@@ -19,11 +19,14 @@
 #            (GEMMs, attention, log-prob stage, elementwise, ZeRO-3 collectives, optimizer, idle), FLOPs per category
 #   tune     the train stage once per variant of TUNE_VARIANTS (names of scripts/gpu_tune.py's VARIANTS: compile,
 #            liger, logps=fused|lean, row-budget=16k|32k|64k, zero3-*, no-overlap-comm, activation-checkpointing;
-#            A+B for both),
-#            each in its own process, TUNE_STEPS steps, TUNE_LIMIT s each: one MFU / tokens/s / peak-memory table
+#            A+B for both), each in its own process, TUNE_STEPS steps, TUNE_LIMIT s each: one MFU / tokens/s /
+#            peak-memory table
 #   train    1-GPU ZeRO-3 bf16 DPO of a random Llama-3.2-1B-shaped model on dpo_en_demo.json, max length 4096,
 #            16k-token rows, --attn auto (torch_varlen without flash-attn): tokens/s, pairs/s, MFU, peak memory
-#   bench    the same model: packed (prefix-shared) vs packed-no-prefix-sharing vs padded vs packed-sdpa-varlen
+#   bench    the same model: packed (prefix-shared) vs packed-no-prefix-sharing vs padded vs packed-sdpa-varlen, in
+#            rounds, through ds-packdpo bench's front process: a configuration that crashes is named with its error
+#            (a CUDA error rerun alone with CUDA_LAUNCH_BLOCKING=1, the kernel named) and the others measured again
+#   bench_groups  packed vs packed-no-prompt-groups on multi_response_demo.jsonl (every pair of 4 answers)
 #   trl      TRL's DPOTrainer on the same model, data, pairs per step and length: pairs/s
 #   logps    scripts/gpu_logps.py: the log-prob stage of a 16k-token row at a 128k vocabulary, full logits vs lean
 #            chunks vs the fused kernel (cut-cross-entropy): peak memory, time, difference from fp32
@@ -48,6 +51,7 @@ SITE=$PWD/.gpu_site
 WORK=$OUT/work
 DATA=../shared/data/dpo_en_demo.json
 [[ -f $DATA ]] || DATA=.gpu_data/dpo_en_demo.json  # the device machine gets no ../shared: fetch_gpu_wheels.sh copies it
+MULTI_DATA=$(dirname "$DATA")/multi_response_demo.jsonl
 export DPO_DEMO_DATA=$DATA
 : > "$OUT/stages.jsonl"
 
@@ -118,7 +122,9 @@ if [[ -n $SMOKE ]]; then
     LIMIT_SCALE=${LIMIT_SCALE:-5}  # a shared CPU takes longer than the GPU machine the limits are set for
     MATRIX=(--device cpu --attn sdpa_varlen)
     RUN=(--dtype fp32 --max-length 512 --max-tokens-per-row 2048 --global-batch-pairs 8)
-    TRAIN_STEPS=3; BENCH=(--configurations packed,padded --max-steps 2 --bench-warmup-steps 1)
+    TRAIN_STEPS=3; BENCH=(--configurations packed,padded --max-steps 2 --bench-warmup-steps 1 --bench-rounds 2)
+    GROUPS_RUN=(--max-length 1024 --max-pairs 48 --global-batch-pairs 4 --max-steps 1 --bench-warmup-steps 0
+                --bench-rounds 1)
     TRL=(--steps 3 --batch-pairs 8 --micro-batch-pairs 4 --max-length 512)
     TUNE_VARIANTS=${TUNE_VARIANTS:-default,row-budget=16k}; TUNE_STEPS=3; TUNE_LIMIT=60
 else
@@ -126,8 +132,11 @@ else
     RUN=(--dtype bf16 --max-length 4096 --max-tokens-per-row 16384 --global-batch-pairs 32 --micro-batch-pairs 4
          --peak-tflops 989)
     TRAIN_STEPS=4
+    # two rounds, the order rotated: each configuration once first, a fresh build each round (bench_rounds.py)
     BENCH=(--configurations packed,packed-no-prefix-sharing,padded,packed-sdpa-varlen --max-steps 2
-           --bench-warmup-steps 1)
+           --bench-warmup-steps 1 --bench-rounds 2)
+    GROUPS_RUN=(--dtype bf16 --max-length 4096 --max-tokens-per-row 16384 --global-batch-pairs 32 --max-steps 2
+                --bench-warmup-steps 1 --bench-rounds 2 --peak-tflops 989)
     TRL=(--steps 3 --batch-pairs 32 --micro-batch-pairs 4 --max-length 4096)
     # the first invocation's levers; a second names what the first pointed at (docs/gpu.md)
     TUNE_VARIANTS=${TUNE_VARIANTS:-default,compile,liger,logps=fused,no-overlap-comm}; TUNE_STEPS=4; TUNE_LIMIT=75
@@ -149,8 +158,11 @@ stage train 130 deepspeed --num_gpus 1 --master_port 29611 --module ds_packdpo.t
 # A start-up guard that refused the model (exit 3) is recorded by the train stage; the bench then measures with
 # --skip-packing-check so that the run still yields its figures (acceptance.json says so).
 grep -q '"stage": "train", "rc": 3' "$OUT/stages.jsonl" && BENCH+=(--skip-packing-check)
-stage bench 210 deepspeed --num_gpus 1 --master_port 29612 --module ds_packdpo.bench "${COMMON[@]}" "${RUN[@]}" \
+# ds-packdpo bench (the front process), not the rank module: a configuration that crashes costs that one alone
+stage bench 210 "$PY" -m ds_packdpo.cli bench --num-procs 1 --master-port 29612 "${COMMON[@]}" "${RUN[@]}" \
     "${BENCH[@]}" --out "$OUT/bench"
+stage bench_groups 120 "$PY" -m ds_packdpo.cli bench --num-procs 1 --master-port 29613 "${COMMON[@]/$DATA/$MULTI_DATA}" \
+    --pairs-from all "${GROUPS_RUN[@]}" --configurations packed,packed-no-prompt-groups --out "$OUT/bench_groups"
 stage trl 120 "$PY" scripts/gpu_acceptance.py trl "$WORK" "$OUT/trl.json" "${TRL[@]}"
 # last what earlier runs measured already (docs/gpu.md): exactness per architecture, the kernels' probes, the log-prob
 # stage alone (the tune stage's logps=fused row measures the fused kernel in a step)

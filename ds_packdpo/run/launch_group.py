@@ -15,7 +15,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -81,9 +84,27 @@ def _signal_session(pid: int, signum: int) -> None:
         pass
 
 
-def run_launcher(cmd: list[str], env: dict, grace_s: float) -> LaunchOutcome:
-    """Runs ``cmd`` (a launcher) in its own session until it exits, forwarding SIGTERM/SIGINT as the module says."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+def _pass_through(stream, sink, on_line: Callable[[str], None]) -> None:
+    """Copies a launcher's output stream to ``sink`` line by line, each line also to ``on_line``."""
+    for line in iter(stream.readline, ""):
+        sink.write(line)
+        sink.flush()
+        on_line(line)
+    stream.close()
+
+
+def run_launcher(cmd: list[str], env: dict, grace_s: float,
+                 on_line: Callable[[str], None] | None = None) -> LaunchOutcome:
+    """Runs ``cmd`` (a launcher) in its own session until it exits, forwarding SIGTERM/SIGINT as the module says;
+    ``on_line``: called with every line of its output (still written to ours), e.g. for the bench to say which
+    configuration a crash ended."""
+    pipes = {} if on_line is None else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True,
+                                        "errors": "replace"}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **pipes)
+    readers = [threading.Thread(target=_pass_through, args=(stream, sink, on_line), daemon=True)
+               for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)) if on_line is not None]
+    for reader in readers:
+        reader.start()
     forwarder = _Forwarder(proc, grace_s)
     previous = {signum: signal.signal(signum, forwarder.handle) for signum in SIGNALS}
     killed = False
@@ -102,5 +123,7 @@ def run_launcher(cmd: list[str], env: dict, grace_s: float) -> LaunchOutcome:
             signal.signal(signum, handler)
         if killed or forwarder.received:
             _signal_session(proc.pid, signal.SIGKILL)  # nothing of the session outlives a stop
+        for reader in readers:
+            reader.join(timeout=5)  # the output the launcher's last processes wrote
     name = signal.Signals(forwarder.received[0]).name if forwarder.received else None
     return LaunchOutcome(code, name, killed, repeated=len(forwarder.received) > 1)

@@ -28,7 +28,7 @@ from .evaluation import evaluate
 from .export import export_checkpoint
 from .layout import describe_sizes
 from .metrics import MetricsWriter, add_sums, sum_over_ranks
-from .process_group import close_process_group, is_collective_failure
+from .process_group import close_process_group, is_collective_failure, lost_peers
 from .profile_categories import OPTIMIZER_SCOPE
 from .reference_sync import ReferenceSync
 from .schedule import Schedule
@@ -263,7 +263,7 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
         if isinstance(error, RunAbortedError) or not is_collective_failure(error):
             raise
         raise PeerFailureError(
-            f"rank {spec.layout.rank}: a collective failed after step {global_step}: another rank died or stalled "
+            f"rank {spec.layout.rank}: a collective failed after step {global_step}: {lost_peers()} "
             f"longer than --collective-timeout-s {spec.collective_timeout_s:g}; relaunch with --resume auto to continue "
             f"from the last complete checkpoint ({first_line(error)})") from error
     finally:
