@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -33,7 +34,10 @@ def _scopes(event) -> tuple[str, ...]:
 
 
 def _is_wrapper(event) -> bool:
-    return event.is_user_annotation or event.is_async or event.name.startswith(_WRAPPERS)
+    """A range around operators (a user range, autograd's engine and its backward nodes), not an operator: on a CPU
+    its own time is the host's bookkeeping, left to the idle time."""
+    return (event.is_user_annotation or event.is_async or event.name.startswith(_WRAPPERS)
+            or re.search(r"Backward\d*$", event.name) is not None)
 
 
 def profile_activities(events, device: str) -> tuple[list[Activity], list[tuple[float, float]],
