@@ -480,7 +480,8 @@ def write_bench_report(plan: BenchPlan, settings: BenchSettings, argv: list[str]
     """The report of the rounds measured so far, written atomically over the previous one (rank 0)."""
     first = plan.first
     spec = first.spec
-    model = model_spec(plan.flags, spec.model.dtype)  # the measured model (the bench model's config unless given)
+    # the measured model (the bench model's config unless given)
+    model = model_spec(plan.flags, spec.model.dtype, spec.device_type)
     report = build_report(
         command=shlex.join([sys.executable, "-m", "ds_packdpo.bench", *argv]),
         layout=spec.layout.as_dict(), dataset=spec.data.tokenization.dataset,

@@ -20,6 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..data.run_plan import plan_figures, run_plan
 from ..errors import PeerFailureError, RunAbortedError, TooManyBadStepsError, first_line
@@ -32,9 +33,11 @@ from .export import export_checkpoint
 from .layout import describe_sizes
 from .metrics import MetricsWriter, add_sums, sum_over_ranks
 from .process_group import close_process_group, is_collective_failure, lost_peers
+from .profile_categories import OPTIMIZER_SCOPE
 from .reference_sync import ReferenceSync
 from .schedule import Schedule
 from .response_exchange import step_rows
+from .step_profiler import StepProfiler
 from .timing import StepTimer, peak_memory_mb, throughput_meter
 
 STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens", "prompt_tokens_shared")
@@ -86,7 +89,8 @@ class DPOTrainer:
             if i == len(rows) - 1:
                 loss = self._skip_if_any_rank_bad(loss, bad)
             self.policy.backward(loss, scale_wrt_gas=False)
-            self.policy.step()
+            with record_function(OPTIMIZER_SCOPE):  # the update itself at the boundary (the step profile's category)
+                self.policy.step()
             row_sums = metric_sums(per_pair, pol)
             row_sums["loss_sum"] = losses.detach().sum()
             add_sums(sums, row_sums, own_rows.pair_weight)
@@ -218,6 +222,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
     writer = MetricsWriter(run, steps, start.global_step, resumed=resume is not None, plan_summary=summary)
     history = []
     timer = StepTimer()
+    profiler = StepProfiler(spec.outputs.profile_steps or 0, steps, start.global_step, spec.device_type,
+                            spec.outputs.profile_path if spec.layout.rank == 0 else None)
     global_step, bad_steps = start.global_step, start.bad_steps
     position = (start.epoch, start.epoch_step)  # plan position of the next step
     plans = run_plan(setup.prepared, spec.plan.config, spec.plan.epochs, start_epoch=start.epoch,
@@ -228,10 +234,13 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
             if global_step >= steps:
                 break
             undo = trainer.hooks.step_begins(run, global_step + 1)
+            profiler.begin(global_step + 1)
             timer.begin()
-            metrics = trainer.train_step(plan, global_step + 1)
+            with profiler.range():
+                metrics = trainer.train_step(plan, global_step + 1)
             undo()
             seconds = timer.seconds()
+            profiler.end(global_step + 1)
             global_step += 1
             if reference_sync is not None:  # on schedule, skipped steps included (TRL's on_step_end), before eval/save
                 reference_sync.after_step(global_step)
