@@ -28,6 +28,7 @@ from .run.assemble import RunSetup, prepare, start
 from .run.process_group import exit_rank, run_rank_job
 from .run.reference import RECORD_KEYS, check_output_path, reference_fingerprint, write_reference
 from .run.reference_parts import check_parts, kept_steps, read_shards, remove_parts, steps_per_shard, write_shard
+from .run.response_exchange import exchanged_pairs
 
 # a kept shard's columns (RECORD_KEYS): the sums in fp64 as everywhere they are stored, token counts as integers
 RECORD_DTYPES = {"pair_id": np.int64, "chosen_logps": np.float64, "rejected_logps": np.float64,
@@ -121,11 +122,16 @@ def precompute(flags, out: str | None) -> dict | None:
     local, first = {key: [] for key in RECORD_KEYS}, done + 1
     for step, plan in enumerate(run_plan(setup.prepared, every_pair_once(setup), epochs=1, start_step=done),
                                 start=done + 1):
-        for row in plan.ranks[layout.dp_rank]:
-            seqs = run.reference_logps(run.row_batch(row))
-            if not layout.counts_metrics:
-                continue
-            local["pair_id"] += [pair_ids[i] for i in row.pairs]
+        found = []  # (pair indices, their sums in canonical order) this rank records
+        batches = [run.row_batch(row, plan) for row in plan.ranks[layout.dp_rank]]
+        references = [run.reference_logps(batch) for batch in batches]
+        if plan.responses is not None:  # responses spread over ranks: exchanged, rank 0 records the step's pairs
+            _, exchanged = exchanged_pairs(run, plan, batches, [None] * len(batches), references)
+            found = [(plan.pairs, exchanged)] if layout.rank == 0 else []
+        elif layout.counts_metrics:
+            found = [(batch.pair_indices.tolist(), seqs) for batch, seqs in zip(batches, references)]
+        for pairs, seqs in found:
+            local["pair_id"] += [pair_ids[i] for i in pairs]
             for key, values in (("chosen_logps", seqs.chosen_logps), ("rejected_logps", seqs.rejected_logps),
                                 ("chosen_tokens", seqs.chosen_tokens), ("rejected_tokens", seqs.rejected_tokens)):
                 local[key] += values.tolist()

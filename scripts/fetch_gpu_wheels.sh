@@ -23,6 +23,7 @@ WHEELS=(
     "hjson==3.1.0"
     "trl==1.16.0"
     "cut-cross-entropy==25.1.1"  # --logps-impl fused; its Triton comes with the image's CUDA torch
+    "liger-kernel==0.8.5"  # --liger-kernels (the tune stage's liger row); Triton as above
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version "$PYVER" \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \

@@ -176,6 +176,8 @@ def summarize(out: Path) -> int:
                "bench_comparisons": bench.get("comparisons", []) + bench_groups.get("comparisons", []),
                "bench_skipped_packing_check": "--skip-packing-check" in json.dumps(bench.get("command", "")),
                "trl": trl_report, "logps": _read_json(out / "logps.json"),
+               "profile": _read_json(out / "profile" / "profile.json"),  # the step by category (--profile-steps)
+               "tune": (_read_json(out / "tune" / "tune.json") or {}).get("rows"),  # scripts/gpu_tune.py's table
                "ours_over_trl_pairs_per_s": ours / trl_report["pairs_per_s"]
                if ours and trl_report and trl_report.get("pairs_per_s") else None,
                "environment": matrix.get("torch") and {"torch": matrix.get("torch"), "gpu": matrix.get("gpu"),
@@ -183,6 +185,10 @@ def summarize(out: Path) -> int:
     (out / "acceptance.json").write_text(json.dumps(summary, indent=1))
     lines = ["# GPU acceptance", "", "| stage | exit | seconds |", "|---|---|---|"]
     lines += [f"| {s['stage']} | {s['rc']} | {s['seconds']} |" for s in stages]
+    profile_table = out / "profile" / "profile.md"  # written by the run beside profile.json
+    lines += ["", profile_table.read_text()] if profile_table.is_file() else []
+    tune_table = out / "tune" / "tune.md"
+    lines += ["", "Levers (the train stage per variant):", "", tune_table.read_text()] if tune_table.is_file() else []
     lines += ["", f"Matrix ok: {matrix.get('ok')}; environment: {summary['environment']}", "",
               "| arch | attn | rows | dtype | logps diff | per token | grad diff / scale | ok |", "|---|---|---|---|---|---|---|---|"]
     for r in matrix.get("matrix", []):

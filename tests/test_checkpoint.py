@@ -449,7 +449,7 @@ def test_save_syncs_every_file_before_latest_moves(tmp_path, monkeypatch):
     cfg = parse_train_args(["--output-dir", str(tmp_path / "run"), "--save-steps", "1"])
     tokenizer = SimpleNamespace(save_pretrained=lambda folder: (Path(folder) / "tokenizer.json").write_text("{}"))
     layout = ParallelLayout(world_size=1)
-    spec = SimpleNamespace(layout=layout, checkpoint=checkpoint_spec(cfg), model=model_spec(cfg, "fp32"),
+    spec = SimpleNamespace(layout=layout, checkpoint=checkpoint_spec(cfg), model=model_spec(cfg, "fp32", "cpu"),
                            plan=cfg.plan_spec(layout, cfg.row_layout))
     setup = SimpleNamespace(spec=spec, prepared=SimpleNamespace(fingerprint="data"), plan_fingerprint="plan",
                             tokenizer=tokenizer)
