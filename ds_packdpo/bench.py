@@ -223,9 +223,11 @@ def measure_round(name: str, setup: RunSetup, warmup_steps: int) -> RoundResult:
                 "pairs": metrics["pairs"], "real_tokens": metrics["tokens"],
                 "computed_tokens": metrics["computed_tokens"], "prompt_tokens_shared": metrics["prompt_tokens_shared"],
                 "rows_per_rank": metrics["rows_per_rank"],
-                "rank_real_tokens": [sum(int(lengths[0][p] + lengths[1][p]) for row in rows for p in row.pairs)
-                                     for rows in plan.ranks],
+                "rank_real_tokens": rank_real_tokens(plan, lengths),
                 "rank_tokens": list(plan.rank_tokens), "rank_computed_tokens": list(plan.rank_computed_tokens),
+                "lockstep_tokens": sum(max(rows[i].computed_tokens for rows in plan.ranks)
+                                       for i in range(plan.rows_per_rank)),
+                "prompt_copy_tokens": plan.prompt_copy_tokens,
                 "attention_sq": meter.attention_sq(plan), "flops": meter.step_flops(plan),
                 "prepass_flops": meter.prepass_flops(plan),
                 "row_fill": [row.tokens / spec.plan.config.max_tokens_per_row for rows in plan.ranks for row in rows
@@ -289,6 +291,9 @@ def summarize(name: str, setup: RunSetup, rounds: list[RoundResult], positions: 
         "rank_load_max_over_mean": max(balance),
         "rank_load_max_over_mean_mean": sum(balance) / len(balance),
         "rows_per_rank_mean": sum(s["rows_per_rank"] for s in steps) / len(steps),
+        "lockstep_utilization": (sum(sum(s["rank_computed_tokens"]) for s in steps)
+                                 / (setup.spec.layout.dp_size * sum(s["lockstep_tokens"] for s in steps))),
+        "prompt_copy_tokens": sum(s["prompt_copy_tokens"] for s in steps),
         "peak_mem_mb": max(peaks) / 2**20,
         "peak_mem_mb_per_rank": [p / 2**20 for p in peaks],
         "peak_mem_kind": rounds[0].memory_kind,
@@ -297,6 +302,15 @@ def summarize(name: str, setup: RunSetup, rounds: list[RoundResult], positions: 
         **rounds[0].meter.figures(flops, total_time),
         "steps": steps,
     }
+
+
+def rank_real_tokens(plan, lengths) -> list[int]:
+    """The real tokens of the pair sides each data-parallel share computes (``lengths``: chosen, rejected): a pair's
+    two sides lie on two shares where prompt groups are spread over ranks, so it is counted by side, not by pair."""
+    share = plan.side_rows() // plan.rows_per_rank
+    pairs = np.asarray(plan.pairs, dtype=np.int64)
+    tokens = np.stack([np.asarray(lengths[0])[pairs], np.asarray(lengths[1])[pairs]], 1)
+    return np.bincount(share.reshape(-1), weights=tokens.reshape(-1), minlength=len(plan.ranks)).astype(int).tolist()
 
 
 def environment(device_type: str, threads: list[int] | None = None) -> dict:

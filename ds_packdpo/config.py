@@ -170,9 +170,10 @@ class TrainConfig:
                                 "for both completions (exact: checked at start-up; needs --attn auto, sdpa_varlen or "
                                 "flash_attention_2/3, or sequence parallelism); --no-prefix-sharing runs every prompt "
                                 "twice. Only packed rows share prefixes.", True)
-    prompt_groups: bool = _opt("With prefix sharing, the pairs of a row whose prompts are the same token ids run as one "
-                               "group [prompt | r1 | ... | rk]: the prompt and every distinct response computed once "
-                               "(exact); --no-prompt-groups lays out each pair alone.", True)
+    prompt_groups: bool = _opt("With prefix sharing, the pairs of a step whose prompts are the same token ids run as "
+                               "groups [prompt | r1 | ... | rk]: every distinct response computed once, the prompt once "
+                               "per row holding one of them, the responses spread over ranks where that balances the "
+                               "step (exact); --no-prompt-groups lays out each pair alone.", True)
     drop_last: bool = _opt("Drop the last incomplete step of every epoch.", False)
     attention_weight: float = _opt("Balance ranks on tokens + W * sum of squared sequence lengths.", 0.0)
     epochs: int = _opt("Passes over the data.", 1)

@@ -27,11 +27,12 @@ from .files import atomic_folder, check_output_folder
 from .model.loss_registry import needs_policy_prepass
 from .report_plots import PLOTS, plot_merged, plot_report
 
-SCHEMA_VERSION = 7  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
+SCHEMA_VERSION = 8  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
 # 4: prepass_flops (the aot pre-pass, outside the model FLOPs) and the loss in a merged report; 5: prompt groups'
 # speedup; 6: the configurations a bench that ended early did not measure; 7: rounds (the order, each configuration's
 # rounds and their spread), failed configurations, the comparisons table (comparisons.py) with every headline
-# comparison's speedup_over_ideal, real tokens per rank
+# comparison's speedup_over_ideal, real tokens per rank; 8: a run's lock-step utilization and the prompt tokens it
+# copied to spread prompt groups over ranks (null in older reports)
 OLDEST_READ_VERSION = 3  # schema 3 lacks prepass_flops (upgrade_schema_3); reports before 7 are one round each, their
 # speed-ups recomputed from their runs by the comparisons table (upgrade_before_rounds); 3 to 5 wrote a report only
 # once every configuration was measured: clusters benched before still merge
@@ -105,6 +106,12 @@ RUN_SCHEMA = {
     "rank_load_max_over_mean": (NUMBER, "worst step's max/mean computed tokens per rank (1.0 = perfectly balanced)"),
     "rank_load_max_over_mean_mean": (NUMBER, "the same, averaged over the measured steps"),
     "rows_per_rank_mean": (NUMBER, "forward passes (rows or micro-batches) per rank per step"),
+    "lockstep_utilization": (OPTIONAL_NUMBER, "the plan's computed tokens / (data-parallel ranks x sum over row slots "
+                                              "of the slot's largest row): what ZeRO-3's lock-step pays for (null "
+                                              "before schema 8)"),
+    "prompt_copy_tokens": ((int, type(None)), "prompt tokens the rows computed beyond one copy per prompt group of a "
+                                              "step: what spreading a group's responses over ranks spent on balance "
+                                              "(0 without prompt groups; null before schema 8)"),
     "peak_mem_mb": (NUMBER, "highest peak over ranks and rounds, MiB"),
     "peak_mem_mb_per_rank": (list, "peak of each rank over the rounds, MiB"),
     "peak_mem_kind": (str, "'rss' (CPU: the kernel's peak resident set, reset as each round starts), "
@@ -117,9 +124,10 @@ RUN_SCHEMA = {
     "model_tflops_per_s": (NUMBER, "model_flops / measured time / 1e12, all ranks"),
     "mfu": (OPTIONAL_NUMBER, "model_tflops_per_s / (peak_tflops x world_size); null without --peak-tflops"),
     "steps": (list, "per measured step of the median round: step, step_time_s, loss, grad_norm, pairs, real_tokens, "
-                    "computed_tokens, prompt_tokens_shared, rows_per_rank, rank_real_tokens (the real tokens of each "
-                    "data-parallel share's pairs), rank_tokens and rank_computed_tokens (per data-parallel share; a "
-                    "shared prompt once), attention_sq, flops, prepass_flops, row_fill, sequence_lengths"),
+                    "computed_tokens, prompt_tokens_shared, rows_per_rank, rank_real_tokens (the real tokens of the pair "
+                    "sides each data-parallel share computes), rank_tokens and rank_computed_tokens (per data-parallel share; a "
+                    "shared prompt once), lockstep_tokens (sum over row slots of the largest row), prompt_copy_tokens, "
+                    "attention_sq, flops, prepass_flops, row_fill, sequence_lengths"),
 }
 
 
@@ -207,6 +215,11 @@ def check_report(report, source: str) -> dict:
     if before_rounds:  # one round each; the speed-ups from its runs once they are checked
         report.update({"rounds": 1, "order": [], "failed": {}, "comparisons": [],
                        **dict.fromkeys(key for row in COMPARISONS for key in row.keys)})
+    if isinstance(version, int) and version < 8:  # not recorded
+        for run in report.get("runs", {}).values() if isinstance(report.get("runs"), dict) else ():
+            if isinstance(run, dict):
+                run.setdefault("lockstep_utilization", None)
+                run.setdefault("prompt_copy_tokens", None)
     check(report, REPORT_SCHEMA, "")
     for name, run in report["runs"].items():
         if not isinstance(run, dict):
@@ -290,6 +303,7 @@ RUN_COLUMNS = [("configuration", lambda r: r["name"]), ("attn", lambda r: r["att
                ("step s (median)", lambda r: r["step_time_s"]["median"]), ("step s (p90)", lambda r: r["step_time_s"]["p90"]),
                ("real tokens", lambda r: r["real_tokens"]), ("computed tokens", lambda r: r["computed_tokens"]),
                ("utilization", lambda r: r["utilization"]), ("rank max/mean", lambda r: r["rank_load_max_over_mean"]),
+               ("lock-step", lambda r: r["lockstep_utilization"]), ("prompt copies", lambda r: r["prompt_copy_tokens"]),
                ("fwd/rank/step", lambda r: r["rows_per_rank_mean"]), ("peak MiB", lambda r: r["peak_mem_mb"]),
                ("model TFLOP/s", lambda r: r["model_tflops_per_s"]), ("MFU", lambda r: r["mfu"])]
 

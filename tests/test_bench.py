@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from ds_packdpo import bench
 from ds_packdpo import cli
 from ds_packdpo.errors import InputError
 from ds_packdpo.config import parse_train_args, to_dict
-from ds_packdpo.data.plan import RowLayout
+from ds_packdpo.data.plan import Row, RowLayout, StepPlan
 from ds_packdpo.model.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
 from ds_packdpo.model.build import build_model, tiny_config
 from ds_packdpo.model.lora import LoraSettings, add_adapters
@@ -77,6 +78,26 @@ def one_run_report(loss: str, model_flops: float, prepass_flops: float) -> dict:
                         settings, {"packed": run_})
 
 
+def test_rank_real_tokens_count_pair_sides_where_groups_are_spread():
+    """A step's rank_real_tokens add up to its real tokens when prompt groups are spread over ranks: a pair whose two
+    sides lie on two ranks gives each its side (counted by pair, every rank holding a side would count both)."""
+    from ds_packdpo.data.plan import PlanConfig, iter_plan
+    from ds_packdpo.data.prompt_groups import PairGroups
+
+    first, second = np.triu_indices(6, 1)  # every pair of 6 responses, 3 prompts for 4 ranks: a group is split
+    group = np.repeat(np.arange(3), first.size)
+    prompt = np.full(group.size, 30)
+    response = np.random.default_rng(0).integers(20, 200, (3, 6))
+    chosen, rejected = prompt + response[group, np.tile(first, 3)], prompt + response[group, np.tile(second, 3)]
+    cfg = PlanConfig(max_tokens_per_row=4000, dp_size=4, global_batch_pairs=group.size, layout=RowLayout.PROMPT_GROUPS)
+    plan = next(iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt,
+                          groups=PairGroups(group, group * 6 + np.tile(first, 3), group * 6 + np.tile(second, 3))))
+    share = plan.side_rows() // plan.rows_per_rank
+    assert (share[:, 0] != share[:, 1]).any()  # pairs across ranks
+    per_rank = bench.rank_real_tokens(plan, (chosen, rejected))
+    assert len(per_rank) == 4 and sum(per_rank) == int((chosen + rejected).sum())
+
+
 def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
     """--loss aot/aot_unpaired run one more policy forward per row, without gradients (the whole step's sort needs
     every log-prob first).  A step of one micro-batch would not repeat it, so it is not model FLOPs (nor MFU), like
@@ -87,7 +108,7 @@ def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
     assert not parse_train_args(["--loss", "sft"]).loss_config().needs_policy_prepass  # a token count, no forward
     assert not parse_train_args([]).loss_config().needs_policy_prepass
     model = FlopModel(matmul_params=1000, layers=2, attn_width=8, with_reference=True)
-    plan = SimpleNamespace(ranks=[[SimpleNamespace(pairs=(0, 1))]], rank_computed_tokens=[3 + 4 + 2 + 5])
+    plan = StepPlan(0, 0, (0, 1), ((Row(pairs=(0, 1), tokens=14, computed_tokens=14),),))
     meter = ThroughputMeter(model, [3, 4], [2, 5], RowLayout.PACKED, world_size=1, peak_tflops=None, policy_prepass=True)
     # one policy forward of the step's computed tokens: 2 N T + 4 l d S, S = 3^2 + 4^2 + 2^2 + 5^2
     assert meter.prepass_flops(plan) == 2 * 1000 * 14 + 4 * 2 * 8 * (9 + 16 + 4 + 25)
@@ -126,7 +147,7 @@ def test_a_schema_3_report_still_merges(tmp_path):
     upgraded = check_report(json.loads(json.dumps(old)), "old/report.json")
     assert {run["prepass_flops"] for run in upgraded["runs"].values()} == {None}
     assert "pre-pass whose FLOPs this schema-3 report did not record" in render_markdown(upgraded)
-    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 7"):
+    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 8"):
         check_report(json.loads((DOCS / "bench_report.json").read_text()), "docs/bench_report.json")
 
 
@@ -149,7 +170,9 @@ def test_prompt_groups_speedup_is_reported_and_read_from_older_folders():
             f"ideal {upgraded['prompt_groups_ideal_speedup']:.3g}x" in render_markdown(upgraded))
     fresh = build_report("cmd", {"world_size": 1, "dp_size": 1, "sp_size": 1}, old["dataset"], old["model"],
                          old["environment"], old["settings"], old["runs"])
-    assert fresh["schema_version"] == 7 and fresh["prompt_groups_speedup"] == upgraded["prompt_groups_speedup"]
+    assert fresh["schema_version"] == 8 and fresh["prompt_groups_speedup"] == upgraded["prompt_groups_speedup"]
+    assert upgraded["runs"]["packed"]["lockstep_utilization"] is None  # not recorded before schema 8
+    assert upgraded["runs"]["packed"]["prompt_copy_tokens"] is None
 
 
 def test_a_bench_that_dies_keeps_the_configurations_it_measured(tmp_path, monkeypatch, capsys):
@@ -158,7 +181,8 @@ def test_a_bench_that_dies_keeps_the_configurations_it_measured(tmp_path, monkey
     measured, and that folder merges; the rank that failed says which configuration, round and error, in the line
     the front process reads (bench_front.py).  Ranks stood in for: phase one and each round's steps are patched."""
     old = check_report(json.loads((DOCS / "bench_prefix_report.json").read_text()), "old")
-    measured = {name: dict(run, prepass_flops=0.0) for name, run in old["runs"].items()}
+    measured = {name: dict(run, prepass_flops=0.0, lockstep_utilization=0.9, prompt_copy_tokens=0)
+                for name, run in old["runs"].items()}
     names = [*measured, "padded"]
     layout = SimpleNamespace(rank=0, as_dict=lambda: {"world_size": 1, "dp_size": 1, "sp_size": 1})
     cfg = parse_train_args(["--dtype", "fp32"])
@@ -338,6 +362,8 @@ def test_bench_report_is_consistent(bench_folder):
             assert sum(step["rank_tokens"]) == laid_out and sum(step["rank_computed_tokens"]) == step["computed_tokens"]
             assert step["computed_tokens"] >= laid_out and len(step["rank_tokens"]) == 2
         assert run_["rank_load_max_over_mean"] >= 1.0 and len(run_["peak_mem_mb_per_rank"]) == 2
+        assert 0 < run_["lockstep_utilization"] <= 1.0
+        assert run_["prompt_copy_tokens"] == sum(s["prompt_copy_tokens"] for s in steps) >= 0
         assert run_["peak_mem_kind"] == "rss" and 50 < run_["peak_mem_mb"] < 20_000 and run_["mfu"] is None
         # one round (--bench-rounds 1): its figures are the run's
         assert len(run_["rounds"]) == 1 and run_["median_round"] == 1 and run_["spread"] == 0
@@ -374,10 +400,12 @@ def test_bench_report_is_consistent(bench_folder):
         assert run_["model_tflops_per_s"] == pytest.approx(
             run_["model_flops"] / sum(s["step_time_s"] for s in run_["steps"]) / 1e12)
         assert run_["prepass_flops"] == 0 == sum(s["prepass_flops"] for s in run_["steps"])  # sigmoid: no pre-pass
+    assert padded["prompt_copy_tokens"] == 0 == report["runs"]["packed-no-prefix-sharing"]["prompt_copy_tokens"]
     markdown = (bench_folder / "report.md").read_text()
     assert markdown.split("\n\n")[1].startswith("Speed-ups measured")  # report.md opens with them
     assert "- **packing (packed / padded tokens/s): " in markdown and "- **LoRA (packed-lora / packed pairs/s): " in markdown
     assert "| packed | sdpa_varlen |" in markdown and "| padded | sdpa_varlen |" in markdown
+    assert "| lock-step | prompt copies |" in markdown
     oversubscribed = 2 * torch.get_num_threads() > environment["cpu_cores"]
     assert ("**Oversubscribed: 2 ranks x" in markdown) == oversubscribed
     assert f"{report['speedup']:.3g}" in markdown and "ds_packdpo.bench" in markdown

@@ -440,10 +440,13 @@ class Run:
         with torch.no_grad():
             return self.forward_logps(self.reference, batch, policy=False)
 
-    def row_batch(self, row) -> ModelBatch:
-        """The model inputs of one planned row, collated in the run's row layout, on this rank's device."""
+    def row_batch(self, row, plan) -> ModelBatch:
+        """The model inputs of one planned row of ``plan`` (a StepPlan), collated in the step's row layout (the run's,
+        or spread responses where the plan spread the step's prompt groups over ranks), on this rank's device."""
         setup = self.setup
-        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.spec.row_layout).to(self.device)
+        layout = plan.row_layout(setup.spec.row_layout)
+        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, layout, plan.responses,
+                           row.responses).to(self.device)
 
     def check_packing(self) -> None:
         """The start-up guard (packed runs): packed log-probs, in the run's layout (prefix-shared or not), equal each
