@@ -52,13 +52,13 @@ def _describe(key: str, stored: dict, settings: dict) -> str:
     return f"{key} (kept {stored.get(key)}, this run {settings.get(key)})"
 
 
-def check_parts(out, settings: Callable[[], dict], overwrite: bool) -> None:
+def check_parts(out, run_settings: Callable[[], dict], overwrite: bool) -> None:
     """Phase one: work kept under other settings is refused in one line, unless ``--overwrite`` starts over
-    (``settings`` is called only when work is kept: it hashes the reference's weights)."""
+    (``run_settings`` is called only when work is kept: it hashes the reference's weights)."""
     stored = _read_manifest(out)
     if stored is None or overwrite:
         return
-    settings = settings()
+    settings = run_settings()
     differing = _differing(stored, settings)
     if differing:
         raise InputError(f"--out {out}: {parts_folder(out).name} holds work of an interrupted run under another "
