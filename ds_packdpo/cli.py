@@ -27,7 +27,7 @@ from .data.run_plan import checked_plan_config, prompt_groups_of, run_plan
 from .data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from .errors import InputError, PeerFailureError, StoppedError, run_guarded
 from .files import check_output_file, check_output_folder
-from .run.build_lock import remove_stale_locks
+from .run.build_lock import remove_stale_locks, say_if_comm_op_unbuilt, use_venv_extensions
 from .run.launch_group import LaunchOutcome, run_launcher
 from .run.layout import ParallelLayout, free_port
 
@@ -45,6 +45,8 @@ def _launch(argv: list[str], procs: int, master_port: int | None, module: str, v
     # with DS_ACCELERATOR=cpu on a machine without CUDA (_cpu_unless_cuda)
     device_type = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda"
     env = rank_environment(dict(os.environ), procs, device_type)
+    if device_type == "cpu":
+        say_if_comm_op_unbuilt()
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, *launcher_options(verbose), "--num_gpus", str(procs), "--master_port",
            str(master_port or free_port()), "--module", module, *argv]
@@ -198,6 +200,7 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
         """Phase one runs here too, so bad input fails before any rank starts."""
         _check_procs(procs, launch.master_port)
         validated.append(validate(rest, procs))
+        use_venv_extensions()  # the ranks find DeepSpeed's CPU comm op where `make install` built it
         remove_stale_locks()  # a stale one would hang every rank in init_distributed, with no output
         return 0
 
