@@ -7,21 +7,34 @@ reaches it and its ranks half-way), and the front process passes the first signa
 ranks (``run/stop.py`` makes them save at the next step boundary and exit 7), waits up to
 ``--stop-grace-s`` and then kills the whole session.  A second signal kills at once.  The
 ranks are signalled rather than the deepspeed launcher: on SIGTERM it would terminate them
-and exit 1 itself, while left alone it passes their exit code 7 through.
+and exit 1 itself, while left alone it passes their exit code 7 through.  They get the signal
+the front process received, so that the ``stopped:`` line names it (SIGINT for a Ctrl-C).
+
+The launcher's (and the ranks') stdout passes through the front process line by line, less the
+one line the launcher logs as an error when a rank exits 7 (``[ERROR] [launch.py:...:sigkill_handler]
+[...] exits with return code = 7``): that is a clean stop, which rank 0 has just said; any other
+code's line stays.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 import psutil
 
+from ..errors import StoppedError
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 POLL_S = 0.2
+_CLEAN_STOP_LINE = re.compile(rf"\[ERROR\] \[launch\.py:\d+:sigkill_handler\] .* exits with return code = "
+                              rf"{StoppedError.exit_code}\s*$")
 
 
 def rank_processes(launcher_pid: int) -> list[psutil.Process]:
@@ -69,7 +82,7 @@ class _Forwarder:
             _signal_session(self.proc.pid, signal.SIGTERM)
         for rank in ranks:
             try:
-                rank.send_signal(signal.SIGTERM)
+                rank.send_signal(signum)  # the signal received: the stopped: line names it
             except psutil.Error:
                 pass
 
@@ -81,9 +94,24 @@ def _signal_session(pid: int, signum: int) -> None:
         pass
 
 
+def pass_stdout(pipe) -> None:
+    """Copies the launcher's stdout (``pipe``, bytes) to ours line by line until it closes, less the launcher's
+    error line of a clean stop."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace")
+            if not _CLEAN_STOP_LINE.search(line):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+
 def run_launcher(cmd: list[str], env: dict, grace_s: float) -> LaunchOutcome:
-    """Runs ``cmd`` (a launcher) in its own session until it exits, forwarding SIGTERM/SIGINT as the module says."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    """Runs ``cmd`` (a launcher) in its own session until it exits, forwarding SIGTERM/SIGINT as the module says;
+    its stdout through :func:`pass_stdout` (the ranks' unbuffered, so each line comes when it is printed)."""
+    proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                            stdout=subprocess.PIPE)
+    copier = threading.Thread(target=pass_stdout, args=(proc.stdout,), daemon=True)
+    copier.start()
     forwarder = _Forwarder(proc, grace_s)
     previous = {signum: signal.signal(signum, forwarder.handle) for signum in SIGNALS}
     killed = False
@@ -102,5 +130,6 @@ def run_launcher(cmd: list[str], env: dict, grace_s: float) -> LaunchOutcome:
             signal.signal(signum, handler)
         if killed or forwarder.received:
             _signal_session(proc.pid, signal.SIGKILL)  # nothing of the session outlives a stop
+        copier.join(timeout=5)  # the rest of the launcher's output (a rank it left holds the pipe: not waited on)
     name = signal.Signals(forwarder.received[0]).name if forwarder.received else None
     return LaunchOutcome(code, name, killed, repeated=len(forwarder.received) > 1)

@@ -26,6 +26,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from ..errors import PeerFailureError, first_line, run_guarded
 from .build_lock import remove_stale_locks, use_venv_extensions
 from .layout import ParallelLayout, free_port, launched
+from .stop import end_at_once
 
 # Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -41,6 +42,8 @@ def init_process_group(layout: ParallelLayout, collective_timeout_s: float, quie
             # stack first, so that its log says where.
             faulthandler.enable(file=sys.__stderr__)
         use_venv_extensions()  # a rank started by hand finds the op where this venv built it
+        if launched():
+            end_at_once()  # a rank's SIGINT before the loop, as its SIGTERM
         remove_stale_locks()  # init_distributed JIT-builds DeepSpeed's CPU comm extension: a stale lock hangs it
         if not all(key in os.environ for key in RENDEZVOUS_ENV):
             if not launched() and "MASTER_PORT" not in os.environ:
