@@ -440,24 +440,25 @@ def test_max_pairs_keeps_the_first_valid_rows(dataset_writer, demo_tokenizer, ca
     assert (summary["kept"], summary["beyond_max_pairs"], summary["dropped"]) == (3, 2, {"null_field": 1})
 
 
-def test_identical_chosen_and_rejected_warns_and_is_kept(dataset_writer, demo_tokenizer, cache_dir):
+def test_identical_chosen_and_rejected_warns_and_is_kept(dataset_writer, demo_tokenizer, cache_dir, capsys):
     rows = standard_rows(3)
     rows[1]["rejected"] = rows[1]["chosen"]
-    with pytest.warns(UserWarning, match="1 pairs have identical chosen and rejected"):
-        prepared = prepare_pairs(DataConfig(str(dataset_writer(rows, "json")), cache_dir=cache_dir), demo_tokenizer)
+    path = dataset_writer(rows, "json")
+    prepared = prepare_pairs(DataConfig(str(path), cache_dir=cache_dir), demo_tokenizer)
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")] == [
+        f"warning: {path}: 1 pairs have identical chosen and rejected completions; kept, but they teach nothing"]
     assert prepared.summary["identical_chosen_rejected"] == 1
     assert prepared.summary["kept"] == 3
 
 
 def test_duplicate_pairs_and_prompts_ending_with_the_assistant_are_counted_and_warned(dataset_writer, demo_tokenizer,
-                                                                                    cache_dir):
+                                                                                    cache_dir, capsys):
     rows = rows_in("conversational")
     rows.append(json.loads(json.dumps(rows[0])))  # an exact repeat
     rows[1]["prompt"] = rows[1]["prompt"] + assistant("And a follow-up.")  # the split is one turn late
     path = dataset_writer(rows, "jsonl")
-    with pytest.warns(UserWarning) as caught:
-        prepared = prepare_pairs(DataConfig(str(path), cache_dir=cache_dir), demo_tokenizer)
-    messages = [str(w.message) for w in caught]
+    prepared = prepare_pairs(DataConfig(str(path), cache_dir=cache_dir), demo_tokenizer)
+    messages = [line.removeprefix("warning: ") for line in capsys.readouterr().err.splitlines()]
     assert f"{path}: 1 pairs repeat an earlier pair exactly (prompt, chosen and rejected); kept, so those pairs " \
            "weigh double" in messages
     assert any(m.startswith(f"{path}: 1 prompts end with an assistant turn") for m in messages)

@@ -62,3 +62,20 @@ def test_every_bad_row_of_a_file_in_one_error(tmp_path, demo_tokenizer):
     assert str(error.value) == (f"{path}: 12 bad rows: {named}; and 2 more (fix them, or pass --on-bad-row skip to "
                                 f"leave them out)")
     assert "\n" not in str(error.value)
+
+
+def test_a_data_warning_is_one_warning_line_per_job(tmp_path, demo_tokenizer, capsys, monkeypatch):
+    """`prepare` said a data warning as a raw Python UserWarning (file path and source line); train said it in the
+    front process and again in every rank.  Now one `warning:` line, by the process that runs phase one first."""
+    rows = standard_rows(4)
+    rows[2]["rejected"] = rows[2]["chosen"]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    demo_tokenizer.save_pretrained(tmp_path / "tokenizer")
+    said = f"warning: {path}: 1 pairs have identical chosen and rejected completions; kept, but they teach nothing"
+    flags = ["--dataset", str(path), "--cache-dir", str(tmp_path / "cache"), "--tokenizer", str(tmp_path / "tokenizer")]
+    prepared = run([sys.executable, "-m", "ds_packdpo.cli", "prepare", *flags])
+    assert prepared.stderr.splitlines().count(said) == 1 and "UserWarning" not in prepared.stderr, prepared.stderr
+    monkeypatch.setenv(SAID_ENV, "1")  # a rank of a front process that said it already (its cache read again)
+    prepare_pairs(DataConfig(str(path), cache_dir=str(tmp_path / "cache")), demo_tokenizer)
+    assert "teach nothing" not in capsys.readouterr().err

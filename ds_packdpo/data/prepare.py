@@ -25,7 +25,6 @@ import dataclasses
 import hashlib
 import json
 import re
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -607,7 +606,7 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     label = cfg.dataset
     for key, count in quality.items():
         if count:
-            warnings.warn(f"{label}: {count} {_QUALITY_WARNINGS[key]}", stacklevel=3)
+            say_warning(f"{label}: {count} {_QUALITY_WARNINGS[key]}")
     table = encoded.data.table
     stats = {name: table.column(name).to_numpy(zero_copy_only=False) for name in _STAT_COLUMNS}
     lengths = {name: _list_lengths(table, f"{name}_ids") for name in ("prompt", "chosen", "rejected")}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,9 +270,9 @@ def check_models(model: ModelSpec, layout: ParallelLayout, attn: str, row_layout
     if getattr(hf_config, "output_router_logits", False):
         # DPO's loss is a sum over pairs; a router load-balancing loss is one per packed row (over all its
         # tokens), which would make the loss depend on how pairs are packed (invariant 2).
-        warnings.warn(f"{model.source}: the mixture-of-experts router auxiliary loss (output_router_logits, "
-                      f"router_aux_loss_coef {getattr(hf_config, 'router_aux_loss_coef', None)}) is not added to "
-                      f"the DPO loss", stacklevel=2)
+        say_warning(f"{model.source}: the mixture-of-experts router auxiliary loss (output_router_logits, "
+                    f"router_aux_loss_coef {getattr(hf_config, 'router_aux_loss_coef', None)}) is not added to the "
+                    f"DPO loss")
     if model.lora is not None:  # the adapters fit the model (placed on its skeleton, with no weights)
         check_adapters(model.lora, hf_config, model.source, model.trust_remote_code)
     return hf_config
