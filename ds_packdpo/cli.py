@@ -23,7 +23,7 @@ from .config import FlagParser, TrainConfig, add_arguments, config_from_args, pa
 from .console import launcher_options, rank_environment
 from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
-from .data.run_plan import checked_plan_config, prompt_groups_of, run_plan
+from .data.run_plan import checked_plan_config, prompt_groups_of, run_length, run_plan
 from .data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from .errors import InputError, PeerFailureError, StoppedError, run_guarded
 from .files import check_output_file, check_output_folder
@@ -155,10 +155,11 @@ def cmd_pack_stats(argv: list[str]) -> int:
         tokenizer, rows = tokenizer_and_rows(data)
         prepared, _ = split_held_out(evaluation, tokenizer, prepare_run_data(data.tokenization, tokenizer, rows))
         plan_cfg = checked_plan_config(plan, layout.sp_size, prepared)  # what trains
-        stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=plan.epochs,
+        epochs = run_length(plan, prepared).epochs  # --max-steps may extend them, as in training
+        stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=epochs,
                            prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
         if args.plan_out:
-            write_plan_jsonl(run_plan(prepared, plan_cfg, plan.epochs), args.plan_out,
+            write_plan_jsonl(run_plan(prepared, plan_cfg, epochs), args.plan_out,
                              pair_ids=prepared.dataset["pair_id"])
         print(json.dumps({"dataset": data.tokenization.dataset, "layout": layout.as_dict(), **stats,
                           "data": {k: prepared.summary[k] for k in ("rows", "kept", "dropped")}}, indent=2))

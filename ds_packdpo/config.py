@@ -173,8 +173,10 @@ class TrainConfig:
                                "(exact); --no-prompt-groups lays out each pair alone.", True)
     drop_last: bool = _opt("Drop the last incomplete step of every epoch.", False)
     attention_weight: float = _opt("Balance ranks on tokens + W * sum of squared sequence lengths.", 0.0)
-    epochs: int = _opt("Passes over the data.", 1)
-    max_steps: int | None = _opt("Stop after this many optimizer steps.")
+    epochs: int = _opt("Passes over the data. Left out, as many as --max-steps needs (default 1).", 1)
+    max_steps: int | None = _opt("Stop after this many optimizer steps. Without --epochs it runs them all, passing "
+                                 "over the data again when one pass holds fewer; with --epochs, at most the steps of "
+                                 "those epochs (the plan line says when they cap it).")
     seed: int = _opt("Seed for the plan, the model init and everything random.", 0)
     # --- optimisation and loss ---
     optimizer: str = _opt("Optimizer: a DeepSpeed optimizer (AdamW, Adam, Lamb, Lion, ...) or a torch.optim class name "
@@ -363,7 +365,8 @@ class TrainConfig:
                             global_batch_pairs=by_pairs, tokens_per_step=self.tokens_per_step,
                             drop_last=self.drop_last, attention_weight=self.attention_weight, layout=row_layout,
                             micro_batch_pairs=self.micro_batch_pairs)
-        return PlanSpec(config, row_budget=budget, epochs=self.epochs, max_steps=self.max_steps)
+        return PlanSpec(config, row_budget=budget, epochs=self.epochs, max_steps=self.max_steps,
+                        epochs_given=self.is_given("epochs"))
 
     def validate(self, unused: frozenset[str] = frozenset()) -> None:
         """The flags as typed, in every command: each value's type, choice and range (:data:`RANGES`), a setting

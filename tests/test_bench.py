@@ -484,9 +484,9 @@ def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):
     assert cli.main(["bench", "--out", str(tmp_path / "full")]) == 2
     assert "pass --overwrite" in capsys.readouterr().err
     # one rank's own check, before any process group: too few steps in the data
-    assert bench.main(["--synthetic-pairs", "16", "--global-batch-pairs", "8", "--max-steps", "2",
+    assert bench.main(["--synthetic-pairs", "16", "--global-batch-pairs", "8", "--max-steps", "2", "--epochs", "1",
                        "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "b")]) == 2
-    assert "the data holds only 2 steps of 8 pairs" in capsys.readouterr().err
+    assert "the data holds only 2 steps of 8 pairs in --epochs 1" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
 
 
