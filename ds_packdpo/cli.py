@@ -104,7 +104,9 @@ def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def prepare_parser() -> argparse.ArgumentParser:
-    parser = _data_parser("ds-packdpo prepare", "Tokenize and validate a preference dataset; print a JSON summary.")
+    parser = _data_parser("ds-packdpo prepare", "Tokenize and validate a preference dataset into the cache a run with "
+                          "the same data settings reads (give train's --config RECIPE to fill the cache of that "
+                          "recipe); print a JSON summary, the cache file among it.")
     parser.add_argument("--out", default=None, help="Write the tokenized pairs as JSON lines (an existing file only "
                         "with --overwrite).")
     return parser
@@ -123,8 +125,13 @@ def cmd_prepare(argv: list[str]) -> int:
             summary = run_prepare(data.tokenization, tokenizer, args.out, rows=rows)
         else:
             prepared = prepare_pairs(data.tokenization, tokenizer, rows=rows)
-            summary = {**prepared.summary, "fingerprint": prepared.fingerprint}
+            summary = {**prepared.summary, "fingerprint": prepared.fingerprint,
+                       "cache": [str(f) for f in data.tokenization.cache_files(prepared.fingerprint)]}
         print(json.dumps(summary, indent=2))
+        if summary["cache"]:
+            shards = f" and {len(summary['cache']) - 1} more shards" if len(summary["cache"]) > 1 else ""
+            print(f"cache: {summary['cache'][0]}{shards} (train, bench, eval and precompute-ref with these data "
+                  f"settings read it)", file=sys.stderr)
         return 0
 
     return run_guarded(job)

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,18 @@ class DataConfig:
     def cache_path(self) -> Path:
         """The cache folder (``cache_dir``, or the default under the home folder), user-expanded."""
         return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+
+    def cache_file(self, fingerprint: str) -> Path:
+        """The tokenized pairs of ``fingerprint`` in the cache (what a run with these data settings reads)."""
+        return self.cache_path / f"pairs-{fingerprint}.arrow"
+
+    def cache_files(self, fingerprint: str) -> list[Path]:
+        """The cache's files of ``fingerprint``: the one file, or the shards a tokenization with --num-proc N wrote
+        (``pairs-F_00000_of_0000N.arrow``, ...; datasets names them so), or none when incomplete."""
+        if self.cache_file(fingerprint).is_file():
+            return [self.cache_file(fingerprint)]
+        shards = sorted(self.cache_path.glob(f"pairs-{fingerprint}_*_of_*.arrow"))
+        return shards if shards and len(shards) == int(shards[0].stem.rsplit("_of_", 1)[1]) else []
 
 
 @dataclass
@@ -481,9 +494,14 @@ def _list_lengths(table: pa.Table, column: str) -> np.ndarray:
     return pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _source_key(cfg: DataConfig, tokenizer) -> str | None:
-    """Key of a local dataset as it is on disk (its files' bytes) with every setting and the tokenizer, or None
-    (rows in memory or from the hub).  Hashing bytes is far cheaper than parsing and validating rows in Python."""
+# Settings that change nothing in the tokenized pairs: a cache filled with one value serves the others.
+_NOT_IN_CACHE_KEY = ("num_proc", "cache_dir", "progress")
+
+
+def _source_key(cfg: DataConfig, tokenizer) -> tuple[str, dict] | None:
+    """Key of a local dataset as it is on disk (its files' bytes) with every setting and the tokenizer, and those
+    parts (the index keeps them, to say why a later run misses it), or None (rows in memory or from the hub).
+    Hashing bytes is far cheaper than parsing and validating rows in Python."""
     path = Path(cfg.dataset).expanduser()
     files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path] if path.is_file() else []
     if not files:
@@ -494,10 +512,32 @@ def _source_key(cfg: DataConfig, tokenizer) -> str | None:
         with open(file, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 24), b""):
                 digest.update(block)
-    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("num_proc", "cache_dir")}
+    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _NOT_IN_CACHE_KEY}
     key = {"version": DATA_VERSION, "files": digest.hexdigest(), "settings": settings,
            "tokenizer": tokenizer_fingerprint(tokenizer)}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32], key
+
+
+def why_tokenized_afresh(cache_dir: Path, key: dict) -> str:
+    """Why a local dataset is tokenized again: no cache of its bytes in ``cache_dir``, or the settings (flags) and
+    tokenizer that differ from the nearest cache of them (e.g. ``prepare`` run with other settings than ``train``)."""
+    nearest = None
+    for index in cache_dir.glob("source-*.json"):
+        try:
+            seen = json.loads(index.read_text())
+        except (OSError, ValueError):
+            continue
+        if seen.get("key", {}).get("files") != key["files"] or seen["key"].get("version") != key["version"]:
+            continue
+        there = seen["key"]["settings"]
+        differ = [f"--{name.replace('_', '-')} {there.get(name)} there, {value} here"
+                  for name, value in key["settings"].items() if there.get(name) != value]
+        differ += ["another tokenizer"] if seen["key"].get("tokenizer") != key["tokenizer"] else []
+        if nearest is None or len(differ) < len(nearest):
+            nearest = differ
+    if nearest is None:
+        return f"no cache of this file in {cache_dir} yet"
+    return f"its cache in {cache_dir} has other settings ({'; '.join(nearest)})"
 
 
 def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) -> PreparedPairs:
@@ -509,15 +549,19 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     """
     cache_dir = cfg.cache_path
     cache_dir.mkdir(parents=True, exist_ok=True)
-    source = _source_key(cfg, tokenizer) if rows is None else None
+    source, source_parts = (_source_key(cfg, tokenizer) if rows is None else None) or (None, None)
     index = cache_dir / f"source-{source}.json" if source else None
     if index is not None and index.is_file():
         seen = json.loads(index.read_text())
-        cached = cache_dir / f"pairs-{seen['fingerprint']}.arrow"
-        if cached.is_file():
-            return _finish(cfg, datasets.Dataset.from_file(str(cached)), seen["fingerprint"], seen["fmt"],
+        cached = cfg.cache_files(seen["fingerprint"])
+        if cached:  # memory-mapped, the shards of a --num-proc tokenization one table again
+            return _finish(cfg, datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in cached]),
+                           seen["fingerprint"], seen["fmt"],
                            seen["rows"], Counter(seen["bad"]), seen["beyond_max_pairs"], seen["quality"],
                            seen.get("multi_response"))
+    if index is not None:  # a local file read row by row again: said, with why (once per job: the ranks read this)
+        print(f"tokenizing {cfg.dataset}: {why_tokenized_afresh(cache_dir, source_parts)}", file=sys.stderr,
+              flush=True)
     label = cfg.dataset
     records = [(f"row {i}", row) for i, row in enumerate(rows)] if rows is not None else _load_records(cfg)
     fmt, normalized, bad, groups = _validate(records, cfg, label)
@@ -557,7 +601,7 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
                 bos=[tokenizer.bos_token_id] if _adds_bos(tokenizer) else [],
             ),
             remove_columns=["prompt", "chosen", "rejected"],
-            cache_file_name=str(cache_dir / f"pairs-{fingerprint}.arrow"),
+            cache_file_name=str(cfg.cache_file(fingerprint)),
             new_fingerprint=fingerprint,  # explicit: datasets would otherwise hash the tokenizer with dill
             desc="tokenize pairs",
         )
@@ -565,7 +609,8 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     if index is not None:  # written once the pairs are: a reader never finds an index without its cache
         atomic_write(index, lambda temporary: Path(temporary).write_text(json.dumps(
             {"fingerprint": fingerprint, "fmt": fmt, "rows": len(records), "bad": dict(bad),
-             "beyond_max_pairs": beyond_max_pairs, "quality": quality, "multi_response": groups})))
+             "beyond_max_pairs": beyond_max_pairs, "quality": quality, "multi_response": groups,
+             "key": source_parts})))
     return prepared
 
 
@@ -682,4 +727,5 @@ def run_prepare(cfg: DataConfig, tokenizer, out_path, rows: list[dict] | None = 
     """Body of the ``prepare`` command: tokenized pairs to ``out_path`` (JSON lines); returns the summary to print."""
     prepared = prepare_pairs(cfg, tokenizer, rows)
     write_pairs_jsonl(prepared, out_path)
-    return {**prepared.summary, "fingerprint": prepared.fingerprint, "output": str(out_path)}
+    return {**prepared.summary, "fingerprint": prepared.fingerprint,
+            "cache": [str(f) for f in cfg.cache_files(prepared.fingerprint)], "output": str(out_path)}
