@@ -563,7 +563,9 @@ def load_config_file(path: str, config_cls=TrainConfig) -> dict:
         if name == "config" and value is None:
             continue  # run_config.json of an earlier version
         if name not in fields or name == "config":
-            hint = "; a settings file cannot name another" if name == "config" else ""
+            close = difflib.get_close_matches(name, [known for known in fields if known != "config"], n=1)
+            hint = ("; a settings file cannot name another" if name == "config"
+                    else f"; did you mean '{close[0]}'?" if close else "")
             raise InputError(f"--config {path}: unknown key '{key}'{hint}")
         f = fields[name]
         values[name] = _coerce(key, value, _field_type(f), f"--config {path}")

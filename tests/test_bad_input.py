@@ -138,12 +138,13 @@ def _incompatible_checkpoint(tmp_path: Path) -> str:
 
 
 BAD_CONFIGS = {
-    "unknown key": (lambda d: ["--config", _config_file(d, {"max_lenght": 64})], "unknown key 'max_lenght'"),
+    "unknown key": (lambda d: ["--config", _config_file(d, {"max_lenght": 64})],
+                    "unknown key 'max_lenght'; did you mean 'max_length'?"),
     "wrong type": (lambda d: ["--config", _config_file(d, {"max_length": "long"})],
                    "key 'max_length' must be int, got str 'long'"),
     "config not JSON": (lambda d: ["--config", _config_file(d, "{max_length: 64")], "not valid JSON"),
     "unknown key in YAML": (lambda d: ["--config", _config_file(d, "max_lenght: 64\n", "yaml")],
-                            "settings.yaml: unknown key 'max_lenght'"),
+                            "settings.yaml: unknown key 'max_lenght'; did you mean 'max_length'?"),
     "wrong type in YAML": (lambda d: ["--config", _config_file(d, "max_length: [64]\n", "yaml")],
                            "settings.yaml: key 'max_length' must be int, got list [64]"),
     "config not YAML": (lambda d: ["--config", _config_file(d, "max_length: [64\n", "yml")],
