@@ -77,7 +77,7 @@ FRACTION = Range(0, 1, high_open=True)  # [0, 1)
 RANGES: dict[str, Range] = {
     **dict.fromkeys(("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight"),
                     AT_LEAST_0),
-    **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc",
+    **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "tokenize_procs",
                      "sequence_parallel_size", "logging_steps", "max_tokens_per_row", "global_batch_pairs",
                      "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs", "eval_steps", "eval_max_pairs",
                      "save_steps", "save_total_limit", "max_bad_steps", "ref_model_sync_steps"), AT_LEAST_1),
@@ -152,7 +152,7 @@ class TrainConfig:
     max_prompt_length: int | None = _opt("Maximum prompt tokens (the prompt is cut from the left).")
     max_pairs: int | None = _opt("Use only the first N valid pairs of the dataset.")
     on_bad_row: str = _opt("What to do with a malformed dataset row.", "error", ("error", "skip"))
-    num_proc: int = _opt("Processes for tokenization.", 1)
+    tokenize_procs: int = _opt("Processes for tokenization (datasets' num_proc; not --num-procs, the ranks).", 1)
     cache_dir: str | None = _opt("Tokenization cache folder (default ~/.cache/ds_packdpo).")
     # --- plan ---
     max_tokens_per_row: int | None = _opt(
@@ -316,7 +316,7 @@ class TrainConfig:
             dataset=self.dataset or "synthetic", split=self.split, format=self.format,
             prompt_column=self.prompt_column, chosen_column=self.chosen_column, rejected_column=self.rejected_column,
             conversations_column=self.conversations_column, max_length=self.max_length,
-            max_prompt_length=self.max_prompt_length, on_bad_row=self.on_bad_row, num_proc=self.num_proc,
+            max_prompt_length=self.max_prompt_length, on_bad_row=self.on_bad_row, tokenize_procs=self.tokenize_procs,
             cache_dir=self.cache_dir, max_pairs=self.max_pairs, pairs_from=self.pairs_from, progress=self.progress)
         return DataSpec(tokenization, synthetic_pairs=self.synthetic_pairs if self.dataset is None else None,
                         tokenizer=self.tokenizer, model=self.model, revision=self.revision,
@@ -457,6 +457,23 @@ class FlagParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}{'; ' if hints else ''}{'; '.join(hints)}\n")
 
 
+# Settings renamed: the old name (a flag, a --config key) is refused with a pointer to the new one.
+RENAMED = {"num_proc": ("tokenize_procs", "tokenization processes; --num-procs is the ranks a front command starts")}
+
+
+def renamed(name: str) -> str:
+    """The one-line pointer of a renamed setting (``name``: its old field name)."""
+    new, what = RENAMED[name]
+    return f"--{flag(name)} is now --{flag(new)} ({what})"
+
+
+class _Renamed(argparse.Action):
+    """An old flag: refused, pointing at its new name."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(renamed(self.dest))
+
+
 def add_arguments(parser: argparse.ArgumentParser, config_cls=TrainConfig) -> None:
     """Adds one flag per field; defaults are None so a config file can fill what the command line left out."""
     for f in flag_fields(config_cls):
@@ -468,6 +485,9 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls=TrainConfig) -> No
             if f.metadata.get("choices"):
                 kwargs["choices"] = f.metadata["choices"]
             parser.add_argument(f"--{flag(f.name)}", type=tp, **kwargs)
+    for old in RENAMED:
+        parser.add_argument(f"--{flag(old)}", action=_Renamed, nargs="?", dest=old, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
     # The deepspeed launcher appends --local_rank=N; the rank also lives in LOCAL_RANK.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -562,6 +582,8 @@ def load_config_file(path: str, config_cls=TrainConfig) -> dict:
         name = key.replace("-", "_")
         if name == "config" and value is None:
             continue  # run_config.json of an earlier version
+        if name in RENAMED:
+            raise InputError(f"--config {path}: key '{key}' is now '{RENAMED[name][0]}' ({RENAMED[name][1]})")
         if name not in fields or name == "config":
             close = difflib.get_close_matches(name, [known for known in fields if known != "config"], n=1)
             hint = ("; a settings file cannot name another" if name == "config"

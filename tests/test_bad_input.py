@@ -143,6 +143,9 @@ BAD_CONFIGS = {
     "wrong type": (lambda d: ["--config", _config_file(d, {"max_length": "long"})],
                    "key 'max_length' must be int, got str 'long'"),
     "config not JSON": (lambda d: ["--config", _config_file(d, "{max_length: 64")], "not valid JSON"),
+    "renamed key": (lambda d: ["--config", _config_file(d, "num_proc: 2\n", "yaml")],
+                    "settings.yaml: key 'num_proc' is now 'tokenize_procs' (tokenization processes; --num-procs is the "
+                    "ranks a front command starts)"),
     "unknown key in YAML": (lambda d: ["--config", _config_file(d, "max_lenght: 64\n", "yaml")],
                             "settings.yaml: unknown key 'max_lenght'; did you mean 'max_length'?"),
     "wrong type in YAML": (lambda d: ["--config", _config_file(d, "max_length: [64]\n", "yaml")],
@@ -409,6 +412,10 @@ def test_a_typo_or_an_abbreviation_is_one_line_naming_the_flag(command, no_launc
             cli.main([command, typed, "64"])
         assert_one_line_error(exit_.value.code, capsys.readouterr().err,
                               f"unrecognized arguments: {typed} 64; {typed}: did you mean --max-length?")
+    with pytest.raises(SystemExit) as exit_:  # a renamed flag: refused, pointing at its new name
+        cli.main([command, "--num-proc", "2"])
+    assert_one_line_error(exit_.value.code, capsys.readouterr().err, "--num-proc is now --tokenize-procs (tokenization "
+                          "processes; --num-procs is the ranks a front command starts)")
 
 
 def test_a_missing_relative_model_folder_is_said_at_once(tmp_path, out_dir, tokenizer_dir, no_launch, capsys,

@@ -569,7 +569,7 @@ def test_second_call_hits_the_cache(dataset_writer, demo_tokenizer, cache_dir, m
 def test_parallel_tokenization_matches_serial(demo_tokenizer, tmp_path):
     rows = rows_in("sharegpt") * 10
     serial = prepare_pairs(DataConfig("mem", cache_dir=str(tmp_path / "a")), demo_tokenizer, rows=rows)
-    parallel = prepare_pairs(DataConfig("mem", num_proc=2, cache_dir=str(tmp_path / "b")), demo_tokenizer, rows=rows)
+    parallel = prepare_pairs(DataConfig("mem", tokenize_procs=2, cache_dir=str(tmp_path / "b")), demo_tokenizer, rows=rows)
     assert parallel.fingerprint == serial.fingerprint
     assert pair_ids(parallel) == pair_ids(serial) and parallel.summary == serial.summary
     assert len(list((tmp_path / "b").glob("pairs-*_of_00002.arrow"))) == 2

@@ -85,7 +85,7 @@ def test_a_data_warning_is_one_warning_line_per_job(tmp_path, demo_tokenizer, ca
 def test_prepare_with_the_recipe_fills_the_cache_train_reads_and_a_miss_says_why(tmp_path, demo_tokenizer):
     """`prepare` without the recipe (default --max-length 1024) left train (its recipe's 128) to tokenize again, with
     no word: the miss now says what differs; `prepare --config RECIPE` fills the very cache the run reads and names
-    it; --num-proc and --progress do not change the cache."""
+    it; --tokenize-procs and --progress do not change the cache."""
     from ds_packdpo.config import parse_train_args
     from ds_packdpo.data.source import prepare_run_data, tokenizer_and_rows
 
@@ -99,10 +99,10 @@ def test_prepare_with_the_recipe_fills_the_cache_train_reads_and_a_miss_says_why
     plain = run([*cli, "--dataset", str(path), "--tokenizer", str(tmp_path / "tokenizer"), "--cache-dir",
                  str(tmp_path / "cache")])
     assert f"tokenizing {path}: no cache of this file in {tmp_path / 'cache'} yet" in plain.stderr.splitlines()
-    warmed = run([*cli, "--config", str(recipe), "--num-proc", "2", "--no-progress"])
+    warmed = run([*cli, "--config", str(recipe), "--tokenize-procs", "2", "--no-progress"])
     assert (f"tokenizing {path}: its cache in {tmp_path / 'cache'} has other settings (--max-length 1024 there, 128 "
             f"here)") in warmed.stderr.splitlines(), warmed.stderr
-    cache = json.loads(warmed.stdout)["cache"]  # --num-proc 2: datasets wrote two shards
+    cache = json.loads(warmed.stdout)["cache"]  # --tokenize-procs 2: datasets wrote two shards
     assert f"cache: {cache[0]} and 1 more shards (" in warmed.stderr and all(Path(f).is_file() for f in cache)
     flags = parse_train_args(["--config", str(recipe)])  # what train's phase one reads: the warmed cache, no word
     data = flags.data_spec()

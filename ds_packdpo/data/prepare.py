@@ -70,7 +70,7 @@ class DataConfig:
     max_length: int = 1024
     max_prompt_length: int | None = None
     on_bad_row: str = "error"       # "error" | "skip"
-    num_proc: int = 1
+    tokenize_procs: int = 1  # datasets.map's num_proc
     cache_dir: str | None = None
     max_pairs: int | None = None    # keep only the first N valid pairs (handy for tests/bench)
     pairs_from: str = "best-vs-worst"  # pairs of a row with several responses (multi_response.PAIRS_FROM)
@@ -83,7 +83,7 @@ class DataConfig:
             raise InputError(f"pairs_from '{self.pairs_from}' is not one of {', '.join(PAIRS_FROM)}")
         if self.on_bad_row not in ON_BAD_ROW:
             raise InputError(f"on_bad_row '{self.on_bad_row}' is not one of {', '.join(ON_BAD_ROW)}")
-        for key in ("max_length", "num_proc", "max_prompt_length", "max_pairs"):
+        for key in ("max_length", "tokenize_procs", "max_prompt_length", "max_pairs"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise InputError(f"{key} must be >= 1, got {value}")
@@ -101,7 +101,7 @@ class DataConfig:
         return self.cache_path / f"pairs-{fingerprint}.arrow"
 
     def cache_files(self, fingerprint: str) -> list[Path]:
-        """The cache's files of ``fingerprint``: the one file, or the shards a tokenization with --num-proc N wrote
+        """The cache's files of ``fingerprint``: the one file, or the shards a tokenization with --tokenize-procs N wrote
         (``pairs-F_00000_of_0000N.arrow``, ...; datasets names them so), or none when incomplete."""
         if self.cache_file(fingerprint).is_file():
             return [self.cache_file(fingerprint)]
@@ -495,7 +495,7 @@ def _list_lengths(table: pa.Table, column: str) -> np.ndarray:
 
 
 # Settings that change nothing in the tokenized pairs: a cache filled with one value serves the others.
-_NOT_IN_CACHE_KEY = ("num_proc", "cache_dir", "progress")
+_NOT_IN_CACHE_KEY = ("tokenize_procs", "cache_dir", "progress")
 
 
 def _source_key(cfg: DataConfig, tokenizer) -> tuple[str, dict] | None:
@@ -554,7 +554,7 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     if index is not None and index.is_file():
         seen = json.loads(index.read_text())
         cached = cfg.cache_files(seen["fingerprint"])
-        if cached:  # memory-mapped, the shards of a --num-proc tokenization one table again
+        if cached:  # memory-mapped, the shards of a --tokenize-procs tokenization one table again
             return _finish(cfg, datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in cached]),
                            seen["fingerprint"], seen["fmt"],
                            seen["rows"], Counter(seen["bad"]), seen["beyond_max_pairs"], seen["quality"],
@@ -591,7 +591,7 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
             _encode_batch,
             batched=True,
             # num_proc=1 would still spawn a worker process in datasets; None runs in this one.
-            num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+            num_proc=cfg.tokenize_procs if cfg.tokenize_procs > 1 else None,
             fn_kwargs=dict(
                 tokenizer=tokenizer,
                 conversational=conversational,
