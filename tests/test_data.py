@@ -589,7 +589,8 @@ def test_write_pairs_jsonl_round_trips_and_never_half_writes(dataset_writer, dem
     out = tmp_path / "out" / "pairs.jsonl"
     summary = run_prepare(cfg, demo_tokenizer, out)
     prepared = prepare_pairs(cfg, demo_tokenizer)
-    assert summary == {**prepared.summary, "fingerprint": prepared.fingerprint, "output": str(out)}
+    assert summary == {**prepared.summary, "fingerprint": prepared.fingerprint, "output": str(out),
+                       "cache": [str(cfg.cache_file(prepared.fingerprint))]}
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines == [{k: row[k] for k in ("pair_id", "prompt_ids", "chosen_ids", "rejected_ids")} for row in prepared.dataset]
 
