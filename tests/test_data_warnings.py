@@ -110,3 +110,25 @@ def test_prepare_with_the_recipe_fills_the_cache_train_reads_and_a_miss_says_why
     assert data.tokenization.cache_files(prepared.fingerprint) == [Path(f) for f in cache]
     again = run([*cli, "--config", str(recipe)])
     assert "tokenizing" not in again.stderr and json.loads(again.stdout)["cache"] == cache
+
+
+def test_a_row_with_two_faults_names_both(tmp_path, demo_tokenizer):
+    """A row whose chosen is null and whose rejected is empty was refused for its chosen alone: fixed, it failed again
+    on the next run.  Every faulty field of a row is named at once (skip mode still counts the row once)."""
+    rows = standard_rows(3)
+    rows[1] = {"prompt": "q", "chosen": None, "rejected": "  "}
+    conversational = [{"prompt": [{"role": "user", "content": "q"}], "chosen": "a",
+                       "rejected": [{"role": "user", "content": "r"}]}]
+    for name, data, named in (
+            ("standard.json", rows, "row 1: field 'chosen' is null and field 'rejected' is an empty completion"),
+            ("conversational.json", conversational,
+             "row 0: field 'chosen' must be a non-empty list of messages, got a string and rejected[0] has role "
+             "'user'; a completion is assistant messages")):
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        with pytest.raises(InputError) as error:
+            prepare_pairs(DataConfig(str(path), cache_dir=str(tmp_path / "c")), demo_tokenizer)
+        assert str(error.value) == f"{path} {named}"
+    path = tmp_path / "standard.json"
+    skipped = prepare_pairs(DataConfig(str(path), on_bad_row="skip", cache_dir=str(tmp_path / "c")), demo_tokenizer)
+    assert skipped.summary["dropped"] == {"null_field": 1}

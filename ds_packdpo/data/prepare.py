@@ -41,7 +41,7 @@ from ..errors import InputError
 from ..files import atomic_write
 from .multi_response import (MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, columns_for, detect_layout,
                              pairs_from_groups)
-from .rows import BadRow, completion_messages, field_value, kind_of, message_list, text_value
+from .rows import BadRow, completion_messages, every_field, field_value, kind_of, message_list, text_value
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt", *MULTI_RESPONSE_FORMATS)
 ON_BAD_ROW = ("error", "skip")
@@ -312,33 +312,35 @@ def _split_implicit(chosen: list[dict], rejected: list[dict], cfg: DataConfig) -
 
 
 def _normalize_row(row, fmt: str, cfg: DataConfig) -> dict:
-    """{"prompt", "chosen", "rejected"}: strings (standard) or [{role, content}] lists; raises BadRow."""
+    """{"prompt", "chosen", "rejected"}: strings (standard) or [{role, content}] lists; raises BadRow naming every
+    faulty field of the row."""
     c_key, r_key = cfg.chosen_column, cfg.rejected_column
     if fmt == "standard":
-        prompt = text_value(row, cfg.prompt_column, completion=False)
-        return {"prompt": prompt, "chosen": text_value(row, c_key, True), "rejected": text_value(row, r_key, True)}
+        return every_field({"prompt": lambda: text_value(row, cfg.prompt_column, completion=False),
+                            "chosen": lambda: text_value(row, c_key, True),
+                            "rejected": lambda: text_value(row, r_key, True)})
     if fmt == "conversational":
-        return {
-            "prompt": message_list(field_value(row, cfg.prompt_column), cfg.prompt_column),
-            "chosen": completion_messages(message_list(field_value(row, c_key), c_key), c_key),
-            "rejected": completion_messages(message_list(field_value(row, r_key), r_key), r_key),
-        }
+        def completion(key: str) -> list[dict]:
+            return completion_messages(message_list(field_value(row, key), key), key)
+
+        return every_field({"prompt": lambda: message_list(field_value(row, cfg.prompt_column), cfg.prompt_column),
+                            "chosen": lambda: completion(c_key), "rejected": lambda: completion(r_key)})
     if fmt == "implicit":
-        chosen = message_list(field_value(row, c_key), c_key)
-        rejected = message_list(field_value(row, r_key), r_key)
-        prompt, chosen, rejected = _split_implicit(chosen, rejected, cfg)
+        both = every_field({key: lambda key=key: message_list(field_value(row, key), key) for key in (c_key, r_key)})
+        prompt, chosen, rejected = _split_implicit(both[c_key], both[r_key], cfg)
         return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     # sharegpt: chosen/rejected are one {from, value} message each
     sharegpt = dict(role_key="from", content_key="value", roles=SHAREGPT_ROLES)
-    prompt = message_list(field_value(row, cfg.conversations_column), cfg.conversations_column, **sharegpt)
-    completions = []
-    for key in (c_key, r_key):
+
+    def one_message(key: str) -> list[dict]:
         value = field_value(row, key)
         if not isinstance(value, dict):
-            detail = f"field '{key}' must be one {{from, value}} message, got {kind_of(value)}"
-            raise BadRow("malformed_messages", detail)
-        completions.append(completion_messages(message_list([value], key, **sharegpt), key, SHAREGPT_SPELLING))
-    return {"prompt": prompt, "chosen": completions[0], "rejected": completions[1]}
+            raise BadRow("malformed_messages", f"field '{key}' must be one {{from, value}} message, got {kind_of(value)}")
+        return completion_messages(message_list([value], key, **sharegpt), key, SHAREGPT_SPELLING)
+
+    return every_field({"prompt": lambda: message_list(field_value(row, cfg.conversations_column),
+                                                       cfg.conversations_column, **sharegpt),
+                        "chosen": lambda: one_message(c_key), "rejected": lambda: one_message(r_key)})
 
 
 def _validate(records: list[tuple[str, object]], cfg: DataConfig, label: str
