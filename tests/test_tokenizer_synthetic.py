@@ -114,3 +114,21 @@ def test_default_tokenizer_prepares_the_synthetic_rows(tmp_path):
     words = sum(len(r["chosen"][0]["content"].split()) for r in rows)
     tokens = sum(len(ids) for ids in prepared.dataset["chosen_ids"])
     assert tokens < 1.3 * words
+
+
+def test_a_tokenizer_saved_into_a_model_folder_may_grow_a_token_as_the_docs_warn(tmp_path):
+    """docs/tokenizers.md warns: a tokenizer saved beside a Qwen2 config.json loads as Qwen2Tokenizer, which adds
+    <|endoftext|>, one token beyond the vocab_size written from the saved tokenizer.  Checked here, so that the page
+    changes when transformers does."""
+    from pathlib import Path
+
+    from transformers import Qwen2Config
+
+    tokenizer = train_bpe_tokenizer(["hello world, a small text to learn a few merges"] * 4, vocab_size=300)
+    Qwen2Config(vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert len(loaded) == len(tokenizer) + 1 and loaded.unk_token == "<|endoftext|>"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tokenizers.md").read_text()
+    assert "**Saving a tokenizer into a model folder may add a token.**" in page
+    assert f"{len(tokenizer)} tokens in the check below" in page and f"{len(loaded)} tokens" in page
