@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, parse_train_args
-from .console import launcher_options, rank_environment
+from .console import launcher_options, quiet_libraries, rank_environment
 from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
 from .data.run_plan import checked_plan_config, prompt_groups_of, run_length, run_plan
@@ -350,6 +350,7 @@ def cmd_export(argv: list[str]) -> int:
     def job() -> int:
         from .run.export import export_checkpoint
 
+        quiet_libraries(verbose=False)  # no library's FutureWarning (transformers' on a model folder's config)
         print(json.dumps(export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite,
                                            trust_remote_code=args.trust_remote_code, adapter_only=args.adapter_only,
                                            max_shard_size=args.max_shard_size)))

@@ -137,3 +137,23 @@ def test_the_done_line_compares_windows_of_steps_and_says_which():
     assert loss_change(history[:1]) == "loss 0.5000 (step 40)"
     skipped = [*history[:3], {"step": 43, "loss": float("nan")}, *history[4:]]  # a bad step's loss is left out
     assert loss_change(skipped) == "loss 0.4000 -> 0.2750 (mean of steps 40-42 -> steps 43-45)"
+
+
+def test_export_shows_no_librarys_future_warning(tmp_path, monkeypatch, capsys):
+    """`ds-packdpo export` of a LoRA checkpoint showed transformers' FutureWarning (`is_gradient_checkpointing` is
+    deprecated); the export runs with the libraries' FutureWarnings off, as every training command does (the real
+    export: tests/test_lora.py's multi-rank test)."""
+    import warnings
+
+    from ds_packdpo.run import export
+
+    def warns(*args, **kwargs):
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+        return {"written": "adapter"}
+
+    monkeypatch.setattr(export, "export_checkpoint", warns)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf")]) == 0
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert capsys.readouterr().out == '{"written": "adapter"}\n'
