@@ -7,7 +7,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 # find the build log of a different ninja version and rebuild the op (2-3 minutes) between `make demo` and the tests.
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: install demo test
+.PHONY: install demo test cluster-test
 install: .venv/.installed
 
 # torch first, from the CPU wheel, so that pip does not pull a multi-GB CUDA build for `torch>=`.
@@ -30,3 +30,10 @@ print('last 10 steps: loss %.3f  rewards/accuracies %.3f | held out (%d pairs, a
 
 test: install
 	.venv/bin/pytest -q
+
+# Real cluster launches (tests/test_cluster.py: DeepSpeed's PDSH runner over ssh, a Slurm job, a node that dies), in a
+# network namespace with only the loopback.  As root it installs their Debian packages and none may be skipped;
+# otherwise one line says what is missing and they are skipped with it.
+cluster-test: install
+	$(PY) tests/cluster.py install
+	DS_PACKDPO_CLUSTER_REQUIRED=$$(test "$$(id -u)" = 0 && echo 1) .venv/bin/pytest -q -m cluster

@@ -1,13 +1,13 @@
 """The throughput benchmark: the same model, data and steps, packed against padded, in one launch.
 
 One rank of ``deepspeed --num_gpus N --module ds_packdpo.bench <train flags> --out DIR``
-(or any launcher the trainer runs under).  For every named configuration in turn
-(``packed`` -- prefix-shared, the default --, ``packed-no-prefix-sharing``, ``padded``, ...
-see :data:`CONFIGURATIONS`) it builds fresh engines with
-the same seed, runs ``--bench-warmup-steps`` optimizer steps unmeasured and then
-``--max-steps`` measured ones through the trainer's own ``DPOTrainer.train_step``,
-and frees the engines before the next configuration.  Rank 0 then writes the report
-folder (``report.py``).
+(or any launcher the trainer runs under; ``ds-packdpo bench`` starts one and isolates a
+configuration that crashes: ``bench_front.py``).  In ``--bench-rounds`` rounds, every named
+configuration in turn (``packed`` -- prefix-shared, the default --, ``packed-no-prefix-sharing``,
+``padded``, ... see :data:`CONFIGURATIONS`; the order rotated each round: ``bench_rounds.py``)
+gets fresh engines with the same seed, runs ``--bench-warmup-steps`` optimizer steps unmeasured
+and then ``--max-steps`` measured ones through the trainer's own ``DPOTrainer.train_step``, and
+frees its engines before the next.  Rank 0 rewrites the report folder (``report.py``) after each.
 
 Nothing here re-implements a step: the figures are the trainer's step metrics, the
 wall time of ``StepTimer`` (the slowest rank's, since ZeRO-3 runs the ranks in lock
@@ -18,13 +18,17 @@ probe per configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import platform
 import shlex
 import statistics
 import sys
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import deepspeed
@@ -35,23 +39,28 @@ import transformers
 from deepspeed.accelerator import get_accelerator
 from filelock import FileLock
 
+from .bench_front import FAILED_ENV, failure_line, measuring_line
+from .bench_rounds import schedule
 from .command_settings import NOT_ACTED_ON, refused_epilog
+from .comparisons import GROUPS_OFF, headline
 from .config import FlagParser, add_arguments, config_from_args
 from .console import progress_bar, said_already
 from .data.run_plan import run_length, run_plan
 from .errors import InputError, run_guarded
 from .files import check_output_folder
-from .precompute_ref import precompute
-from .report import build_report, write_report_folder
 from .model.build import ModelSpec, tiny_config
+from .precompute_ref import precompute
+from .report import build_report, run_rounds, write_report_folder
 from .run.assemble import RunSetup, model_spec, prepare, start
+from .run.cpu_memory import release_free_memory, steady_allocator
 from .run.engines import model_config
 from .run.process_group import close_process_group, exit_rank
 from .run.reference import precomputed_conflict
 from .run.timing import PeakMemory, StepTimer, throughput_meter
 from .run.trainer import DPOTrainer
 
-# A configuration is a name and the flags it overrides; add one here and it can be measured with --configurations.  "packed" and "padded" give the report's speedup.
+# A configuration is a name and the flags it overrides; add one here and it can be measured with --configurations
+# (a speed-up between two of them is a row of comparisons.COMPARISONS).
 CONFIGURATIONS: dict[str, dict] = {
     "packed": {"packing": True},  # each pair's prompt once (prefix sharing, the default)
     "packed-no-prefix-sharing": {"packing": True, "prefix_sharing": False},  # packing alone: every prompt twice
@@ -70,8 +79,13 @@ CONFIGURATIONS: dict[str, dict] = {
     "packed-lora": {"packing": True, "lora_r": 8},
 }
 PRECOMPUTED = "precomputed"  # the ref_logps value that stands for the file the bench computes first
-DEFAULT_CONFIGURATIONS = "packed,packed-no-prefix-sharing,padded"
+# Measured by default; on data whose prompts repeat (prompt groups), packed-no-prompt-groups too, before padded.
+DEFAULT_CONFIGURATIONS = ("packed", "packed-no-prefix-sharing", "padded")
 DEFAULT_MEASURED_STEPS = 4
+MAX_ROUNDS = 100  # each round rebuilds every configuration: more is a typo, not a bench
+# Test-only fault hooks: each is called with (configuration, round) as a configuration's round starts on every rank
+# (tests/bench_fault_rank.py installs one); empty in every run of the package.
+BEFORE_ROUND: list[Callable[[str, int], None]] = []
 
 
 @dataclass
@@ -79,15 +93,20 @@ class BenchSettings:
     """The bench's own flags (the train flags come from config.py; --max-steps is the measured steps)."""
 
     out: str = "runs/bench"
-    # The first configuration of a launch pays one-time costs (allocator growth, first collectives) in its first
-    # steps: with 1 warm-up step packed-first measured 0.88x padded, padded-first 0.99x, with 3 steps 1.05x (README).
-    bench_warmup_steps: int = 3
-    configurations: list[str] = field(default_factory=lambda: DEFAULT_CONFIGURATIONS.split(","))
+    # Per round: every round builds its configurations afresh, and a fresh engine's first steps pay for the first
+    # gathers and allocations (bench_rounds.py).
+    bench_warmup_steps: int = 2
+    bench_rounds: int = 3
+    configurations: list[str] | None = None  # None: DEFAULT_CONFIGURATIONS (+ packed-no-prompt-groups), by the data
     bench_model: bool = True
 
     def validate(self) -> None:
         if self.bench_warmup_steps < 0:
             raise InputError(f"--bench-warmup-steps must be >= 0, got {self.bench_warmup_steps}")
+        if not 1 <= self.bench_rounds <= MAX_ROUNDS:
+            raise InputError(f"--bench-rounds must be in [1, {MAX_ROUNDS}], got {self.bench_rounds}")
+        if self.configurations is None:
+            return
         unknown = [name for name in self.configurations if name not in CONFIGURATIONS]
         if unknown or not self.configurations:
             raise InputError(f"--configurations: unknown {', '.join(unknown) or '(empty)'} "
@@ -103,11 +122,17 @@ def bench_parser(prog: str) -> argparse.ArgumentParser:
     group = parser.add_argument_group("bench")
     group.add_argument("--out", default=BenchSettings.out, help="Report folder (written atomically by rank 0).")
     group.add_argument("--bench-warmup-steps", type=int, default=BenchSettings.bench_warmup_steps,
-                       help="Optimizer steps run before measuring, per configuration (--warmup-steps is the LR "
-                            "schedule's). --max-steps is the number of measured steps (default "
+                       help="Optimizer steps run before measuring, per configuration and round (--warmup-steps is the "
+                            "LR schedule's). --max-steps is the number of measured steps per round (default "
                             f"{DEFAULT_MEASURED_STEPS}).")
-    group.add_argument("--configurations", default=DEFAULT_CONFIGURATIONS,
-                       help=f"Comma-separated configurations to measure, in order (known: {', '.join(CONFIGURATIONS)}).")
+    group.add_argument("--bench-rounds", type=int, default=BenchSettings.bench_rounds,
+                       help="Rounds: every configuration is built afresh and measured once per round, the order "
+                            "rotated each round; its figures are its median round's, the spread of its rounds is "
+                            "reported beside them.")
+    group.add_argument("--configurations", default=None,
+                       help=f"Comma-separated configurations to measure (known: {', '.join(CONFIGURATIONS)}). "
+                            f"Default: {','.join(DEFAULT_CONFIGURATIONS)}, and {GROUPS_OFF} when prompts repeat in "
+                            f"the data (prompt groups).")
     group.add_argument("--bench-model", action=argparse.BooleanOptionalAction, default=True,
                        help="Without --model/--model-config, measure the bench model (Llama, hidden 256, 4 layers, "
                             "4 heads, 2 KV heads) instead of the 'tiny' default (hidden 64).")
@@ -120,9 +145,9 @@ def parse_bench_args(argv: list[str] | None, prog: str = "ds-packdpo bench") -> 
     flags = config_from_args(args, aside=NOT_ACTED_ON["bench"])  # refused typed, set aside from a recipe
     if flags.max_steps is None:
         flags = dataclasses.replace(flags, max_steps=DEFAULT_MEASURED_STEPS)
-    settings = BenchSettings(out=args.out, bench_warmup_steps=args.bench_warmup_steps,
-                             configurations=[n.strip() for n in args.configurations.split(",") if n.strip()],
-                             bench_model=args.bench_model)
+    named = None if args.configurations is None else [n.strip() for n in args.configurations.split(",") if n.strip()]
+    settings = BenchSettings(out=args.out, bench_warmup_steps=args.bench_warmup_steps, bench_rounds=args.bench_rounds,
+                             configurations=named, bench_model=args.bench_model)
     settings.validate()
     reads = [*flags.local_inputs(), flags.data_spec().tokenization.cache_path]  # the cache, made by phase one
     check_output_folder(settings.out, "--out", flags.overwrite, reads=reads)  # --overwrite replaces the whole folder
@@ -156,9 +181,22 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
-def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict:
-    """Runs one configuration (phase one done) on this rank; returns its figures, aggregated over all ranks (the
-    same on every rank)."""
+@dataclass
+class RoundResult:
+    """One configuration's round on this rank: its measured steps (their times the slowest rank's), every rank's peak
+    memory and torch threads, and the FLOP meter of its engines."""
+
+    steps: list[dict]
+    peaks: list[int]
+    memory_kind: str
+    threads: list[int]
+    meter: object
+
+
+def measure_round(name: str, setup: RunSetup, warmup_steps: int) -> RoundResult:
+    """Runs one round of one configuration (phase one done) on this rank: fresh engines, the warm-up steps, the
+    measured steps; frees the engines and the memory they held.  Figures aggregated over all ranks (the same on
+    every rank)."""
     spec = setup.spec
     layout, measured = spec.layout, spec.plan.max_steps
     with PeakMemory(spec.device_type) as memory:
@@ -185,7 +223,11 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
                 "pairs": metrics["pairs"], "real_tokens": metrics["tokens"],
                 "computed_tokens": metrics["computed_tokens"], "prompt_tokens_shared": metrics["prompt_tokens_shared"],
                 "rows_per_rank": metrics["rows_per_rank"],
+                "rank_real_tokens": rank_real_tokens(plan, lengths),
                 "rank_tokens": list(plan.rank_tokens), "rank_computed_tokens": list(plan.rank_computed_tokens),
+                "lockstep_tokens": sum(max(rows[i].computed_tokens for rows in plan.ranks)
+                                       for i in range(plan.rows_per_rank)),
+                "prompt_copy_tokens": plan.prompt_copy_tokens,
                 "attention_sq": meter.attention_sq(plan), "flops": meter.step_flops(plan),
                 "prepass_flops": meter.prepass_flops(plan),
                 "row_fill": [row.tokens / spec.plan.config.max_tokens_per_row for rows in plan.ranks for row in rows
@@ -195,12 +237,14 @@ def measure_configuration(name: str, setup: RunSetup, warmup_steps: int) -> dict
         bar.close()
         run.close()
         del run, trainer
-    # every rank's peak memory goes into the report
-    peaks = [None] * layout.world_size
+        release_free_memory()  # the next configuration starts from the allocator state this one did
+    # every rank's peak memory and threads go into the report
+    peaks, threads = [None] * layout.world_size, [None] * layout.world_size
     dist.all_gather_object(peaks, memory.peak_bytes)
+    dist.all_gather_object(threads, torch.get_num_threads())
     for step, seconds in zip(steps, slowest_rank_seconds([s["step_time_s"] for s in steps])):
         step["step_time_s"] = seconds
-    return summarize(name, CONFIGURATIONS[name], setup, steps, peaks, memory.kind, meter)
+    return RoundResult(steps, peaks, memory.kind, threads, meter)
 
 
 def slowest_rank_seconds(seconds: list[float]) -> list[float]:
@@ -211,9 +255,11 @@ def slowest_rank_seconds(seconds: list[float]) -> list[float]:
     return times.tolist()
 
 
-def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], peaks: list[int], memory_kind: str,
-              meter) -> dict:
-    """One configuration's entry of ``report.json`` ``runs`` (see report.py for the schema)."""
+def summarize(name: str, setup: RunSetup, rounds: list[RoundResult], positions: list[int]) -> dict:
+    """One configuration's entry of ``report.json`` ``runs`` (see report.py for the schema): the figures of its
+    median round, every round's beside them."""
+    figures = run_rounds([result.steps for result in rounds], positions)
+    steps = rounds[figures["median_round"] - 1].steps
     total_time = sum(s["step_time_s"] for s in steps)
     real = sum(s["real_tokens"] for s in steps)
     computed = sum(s["computed_tokens"] for s in steps)
@@ -223,9 +269,10 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
     times = [s["step_time_s"] for s in steps]
     balance = [max(s["rank_computed_tokens"]) / (sum(s["rank_computed_tokens"]) / len(s["rank_computed_tokens"]))
                for s in steps]
+    peaks = [max(result.peaks[rank] for result in rounds) for rank in range(len(rounds[0].peaks))]
     return {
         "name": name,
-        "overrides": overrides,
+        "overrides": CONFIGURATIONS[name],
         "attn": setup.spec.attention.backend,
         "packing": setup.spec.row_layout.packed,
         "sequence_parallel_size": setup.spec.layout.sp_size,
@@ -235,6 +282,7 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
         "computed_tokens_per_s": computed / total_time,
         "step_time_s": {"median": statistics.median(times), "p90": _percentile(times, 90), "mean": total_time / len(times),
                         "min": min(times), "max": max(times)},
+        **figures,
         "real_tokens": real,
         "computed_tokens": computed,
         "prompt_tokens_shared": shared,
@@ -243,24 +291,39 @@ def summarize(name: str, overrides: dict, setup: RunSetup, steps: list[dict], pe
         "rank_load_max_over_mean": max(balance),
         "rank_load_max_over_mean_mean": sum(balance) / len(balance),
         "rows_per_rank_mean": sum(s["rows_per_rank"] for s in steps) / len(steps),
+        "lockstep_utilization": (sum(sum(s["rank_computed_tokens"]) for s in steps)
+                                 / (setup.spec.layout.dp_size * sum(s["lockstep_tokens"] for s in steps))),
+        "prompt_copy_tokens": sum(s["prompt_copy_tokens"] for s in steps),
         "peak_mem_mb": max(peaks) / 2**20,
         "peak_mem_mb_per_rank": [p / 2**20 for p in peaks],
-        "peak_mem_kind": memory_kind,
+        "peak_mem_kind": rounds[0].memory_kind,
         "model_flops": flops,
         "prepass_flops": sum(s["prepass_flops"] for s in steps),
-        **meter.figures(flops, total_time),
+        **rounds[0].meter.figures(flops, total_time),
         "steps": steps,
     }
 
 
-def environment(device_type: str) -> dict:
+def rank_real_tokens(plan, lengths) -> list[int]:
+    """The real tokens of the pair sides each data-parallel share computes (``lengths``: chosen, rejected): a pair's
+    two sides lie on two shares where prompt groups are spread over ranks, so it is counted by side, not by pair."""
+    share = plan.side_rows() // plan.rows_per_rank
+    pairs = np.asarray(plan.pairs, dtype=np.int64)
+    tokens = np.stack([np.asarray(lengths[0])[pairs], np.asarray(lengths[1])[pairs]], 1)
+    return np.bincount(share.reshape(-1), weights=tokens.reshape(-1), minlength=len(plan.ranks)).astype(int).tolist()
+
+
+def environment(device_type: str, threads: list[int] | None = None) -> dict:
+    """The software and machine of the bench; ``threads``: every rank's torch threads (None before a round ran)."""
     if device_type == "cuda":
         device_name = torch.cuda.get_device_name()
     else:
         device_name = platform.processor() or platform.machine()
     return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__, "device_type": device_type, "device_name": device_name,
-            "hostname": platform.node(), "torch_threads": torch.get_num_threads()}
+            "hostname": platform.node(), "torch_threads": torch.get_num_threads(),
+            "torch_threads_per_rank": threads, "cpu_cores": len(os.sched_getaffinity(0)),
+            "local_ranks": int(os.environ["LOCAL_SIZE"]) if os.environ.get("LOCAL_SIZE") else None}
 
 
 def model_summary(model: ModelSpec, setup: RunSetup) -> dict:
@@ -304,68 +367,127 @@ class BenchPlan:
     setups: dict[str, RunSetup | None]  # None: the precomputed-reference configuration, prepared once its file exists
 
 
+def prompt_groups_ideal(setup: RunSetup) -> float:
+    """The computed tokens of prefix sharing pair by pair over those of prompt groups (each prompt and each response
+    of a group once) on the configuration's pairs: what packed-no-prompt-groups would measure against packed (1.0
+    where the configuration does not group prompts)."""
+    if not setup.spec.row_layout.groups_prompts:
+        return 1.0
+    groups, prepared = prompt_groups_of(setup.prepared), setup.prepared
+    chosen, rejected, prompt = (np.asarray(lengths, dtype=np.int64) for lengths in
+                                (prepared.chosen_lengths, prepared.rejected_lengths, prepared.prompt_lengths))
+    responses = np.concatenate([groups.chosen, groups.rejected])
+    response_tokens = np.concatenate([chosen - prompt, rejected - prompt])
+    first_of_group = np.unique(groups.group, return_index=True)[1]
+    first_of_response = np.unique(responses, return_index=True)[1]
+    grouped = prompt[first_of_group].sum() + response_tokens[first_of_response].sum()
+    return float((chosen + rejected - prompt).sum() / grouped)
+
+
+# packed-no-prompt-groups joins the default configurations when prompt groups save at least this share of the tokens
+# prefix sharing computes pair by pair (2.6x on multi_response_demo's 693 pairs; 1.017x on dpo_en_demo's 5 repeated
+# pairs, within the noise of a bench: not worth a configuration's time)
+PROMPT_GROUPS_WORTH = 1.05
+
+
 def check_configurations(flags, settings: BenchSettings, world_size: int | None = None) -> BenchPlan:
     """Phase one of the bench: every configuration checked with the model it will measure, before any process group
-    (a configuration the layout cannot run is refused here, not after the others were measured)."""
+    (a configuration the layout cannot run is refused here, not after the others were measured).  Without
+    --configurations: the defaults, and packed-no-prompt-groups where the data's prompts repeat enough for prompt
+    groups to save tokens (:data:`PROMPT_GROUPS_WORTH`)."""
     first = prepare(flags, "bench", world_size)
     check_enough_steps(first, settings.bench_warmup_steps)
     flags = bench_model_config(flags, first, settings)
     setups = {}
-    for name in settings.configurations:
-        if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:  # its file does not exist yet
-            conflict = precomputed_conflict(first.spec.loss, first.spec.reference.offload)
-            if conflict:  # else it would measure the run without it, under its name
-                raise InputError(f"--configurations {name}: {conflict}")
-            setups[name] = None
-            continue
-        try:
-            with said_already():  # the first set-up's data warnings, not once more per configuration
-                setups[name] = prepare(configuration_flags(flags, name, first), "bench", world_size)
-        except InputError as error:
-            raise InputError(f"--configurations {name}: {error}") from None
+    for name in settings.configurations or DEFAULT_CONFIGURATIONS:
+        setups[name] = configuration_setup(flags, name, first, world_size)
+    if settings.configurations is None and prompt_groups_ideal(setups["packed"]) >= PROMPT_GROUPS_WORTH:
+        setups = {**{n: s for n, s in setups.items() if n != "padded"},
+                  GROUPS_OFF: configuration_setup(flags, GROUPS_OFF, first, world_size), "padded": setups["padded"]}
     return BenchPlan(flags, first, setups)
 
 
+@contextlib.contextmanager
+def said_before():
+    """A configuration's phase one, on the data the first set-up prepared and warned about: none of this package's
+    warnings again, neither say_warning's lines (said_already) nor ``warnings.warn``'s, which Python would repeat
+    (each phase one's quiet_libraries sets a warning filter, and that empties Python's record of warnings shown)."""
+    with said_already(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"ds_packdpo\.")
+        yield
+
+
+def configuration_setup(flags, name: str, first: RunSetup, world_size: int | None) -> RunSetup | None:
+    """Phase one of one configuration (``first``: the base flags' set-up; None for the precomputed reference: its
+    file does not exist yet)."""
+    if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:
+        conflict = precomputed_conflict(first.spec.loss, first.spec.reference.offload)
+        if conflict:  # else it would measure the run without it, under its name
+            raise InputError(f"--configurations {name}: {conflict}")
+        return None
+    try:
+        with said_before():
+            return prepare(configuration_flags(flags, name, first), "bench", world_size)
+    except InputError as error:
+        raise InputError(f"--configurations {name}: {error}") from None
+
+
 def run_bench(flags, settings: BenchSettings, argv: list[str]) -> dict | None:
-    """The whole bench on this rank; rank 0 writes the report folder after each configuration (a bench that ends
-    early, out of memory in its padded configuration say, keeps the figures it measured) and returns the report."""
+    """The whole bench on this rank, in rounds; rank 0 rewrites the report folder after each configuration's round
+    (a bench that ends early, out of memory in its padded configuration say, keeps the figures it measured) and
+    returns the report."""
     plan = check_configurations(flags, settings)
     flags, first = plan.flags, plan.first
     rank = first.spec.layout.rank
-    names = list(plan.setups)
+    order = schedule(list(plan.setups), settings.bench_rounds)
+    failed = json.loads(os.environ.get(FAILED_ENV) or "{}")  # configurations an earlier launch lost (bench_front.py)
+    rounds: dict[str, list[RoundResult]] = {}
+    positions: dict[str, list[int]] = {}
     runs, report = {}, None
-    for number, (name, setup) in enumerate(plan.setups.items()):
+    for number, (round_number, name) in enumerate(order):
+        position = number % len(plan.setups) + 1
+        if rank == 0:  # a log, and the front process, say which one died
+            print(measuring_line(name, round_number, settings.bench_rounds, position, len(plan.setups)), flush=True)
+        try:
+            for hook in BEFORE_ROUND:
+                hook(name, round_number)
+            if plan.setups[name] is None:
+                with said_before():
+                    precompute(dataclasses.replace(flags, overwrite=True), str(precomputed_reference_path(first)))
+                    plan.setups[name] = prepare(configuration_flags(flags, name, first), "bench")  # (untimed)
+            result = measure_round(name, plan.setups[name], settings.bench_warmup_steps)
+        except InputError:
+            raise
+        except Exception as error:
+            print(failure_line(name, round_number, rank, error), file=sys.stderr, flush=True)
+            raise
+        rounds.setdefault(name, []).append(result)
+        positions.setdefault(name, []).append(position)
+        runs[name] = summarize(name, plan.setups[name], rounds[name], positions[name])
         if rank == 0:
-            print(f"bench: measuring {name} ({number + 1} of {len(names)})", flush=True)  # a log says which one died
-        if setup is None:
-            with said_already():  # the same data as the first set-up's
-                precompute(dataclasses.replace(flags, overwrite=True), str(precomputed_reference_path(first)))
-                setup = prepare(configuration_flags(flags, name, first), "bench")  # (precompute-ref untimed)
-        runs[name] = measure_configuration(name, setup, settings.bench_warmup_steps)
-        if rank == 0:
-            report = write_bench_report(plan, settings, argv, runs, unmeasured=names[number + 1:],
+            report = write_bench_report(plan, settings, argv, runs, unmeasured=[n for n in plan.setups if n not in runs],
+                                        order=order, failed=failed, threads=result.threads,
                                         overwrite=first.spec.outputs.overwrite or number > 0)
     if report is not None:
-        print(json.dumps({k: report[k] for k in ("speedup", "ideal_speedup", "speedup_over_ideal",
-                                                 "prefix_sharing_speedup", "prefix_sharing_ideal_speedup",
-                                                 "prompt_groups_speedup", "prompt_groups_ideal_speedup")}))
+        print("\n".join(f"bench: {headline(figures)}" for figures in report["comparisons"]), flush=True)
     return report
 
 
 def write_bench_report(plan: BenchPlan, settings: BenchSettings, argv: list[str], runs: dict, unmeasured: list[str],
-                       overwrite: bool) -> dict:
-    """The report of the configurations measured so far, written atomically over the previous one (rank 0)."""
+                       order: list, failed: dict, threads: list[int] | None, overwrite: bool) -> dict:
+    """The report of the rounds measured so far, written atomically over the previous one (rank 0)."""
     first = plan.first
     spec = first.spec
-    model = model_spec(plan.flags, spec.model.dtype)  # the measured model (the bench model's config unless given)
+    # the measured model (the bench model's config unless given)
+    model = model_spec(plan.flags, spec.model.dtype, spec.device_type)
     report = build_report(
         command=shlex.join([sys.executable, "-m", "ds_packdpo.bench", *argv]),
         layout=spec.layout.as_dict(), dataset=spec.data.tokenization.dataset,
-        model=model_summary(model, first), environment=environment(spec.device_type),
+        model=model_summary(model, first), environment=environment(spec.device_type, threads),
         settings={**spec.settings, "model_config": model.config,
-                  "bench_warmup_steps": settings.bench_warmup_steps,
-                  "configurations": settings.configurations, "row_budget": spec.plan.row_budget},
-        runs=dict(runs), unmeasured=tuple(unmeasured))
+                  "bench_warmup_steps": settings.bench_warmup_steps, "bench_rounds": settings.bench_rounds,
+                  "configurations": list(plan.setups), "row_budget": spec.plan.row_budget},
+        runs=dict(runs), unmeasured=tuple(unmeasured), rounds=settings.bench_rounds, order=order, failed=failed)
     write_report_folder(report, Path(settings.out), overwrite=overwrite)
     return report
 
@@ -374,8 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def job() -> int:
-        cfg, settings = parse_bench_args(argv, prog="ds_packdpo.bench")
-        run_bench(cfg, settings, [a for a in argv if not a.startswith("--local_rank")])
+        if get_accelerator().device_name() == "cpu":
+            steady_allocator()  # each configuration's memory served alike whatever ran before (run/cpu_memory.py)
+        flags, settings = parse_bench_args(argv, prog="ds_packdpo.bench")
+        run_bench(flags, settings, [a for a in argv if not a.startswith("--local_rank")])
         close_process_group()
         return 0
 

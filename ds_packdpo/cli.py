@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -39,18 +38,20 @@ LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 def _launch(argv: list[str], procs: int, master_port: int | None, module: str, verbose: bool = False,
-            grace_s: float = 20.0, save_dir: Path | None = None) -> int:
+            grace_s: float = 20.0, save_dir: Path | None = None, extra_env: dict | None = None,
+            on_line: Callable[[str], None] | None = None) -> int:
     """Re-runs this command (``module``) under the deepspeed launcher (arguments as a list, never through a shell),
-    in a session of its own: SIGTERM/SIGINT to this process reach every rank (run/launch_group.py)."""
+    in a session of its own: SIGTERM/SIGINT to this process reach every rank (run/launch_group.py).  ``extra_env``:
+    set for the ranks; ``on_line``: sees every line of the launch's output."""
     # with DS_ACCELERATOR=cpu on a machine without CUDA (_cpu_unless_cuda)
     device_type = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda"
-    env = rank_environment(dict(os.environ), procs, device_type)
+    env = rank_environment({**os.environ, **(extra_env or {})}, procs, device_type)
     if device_type == "cpu":
         say_if_comm_op_unbuilt()
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, *launcher_options(verbose), "--num_gpus", str(procs), "--master_port",
            str(master_port or free_port()), "--module", module, *argv]
-    outcome = run_launcher(cmd, env, grace_s)
+    outcome = run_launcher(cmd, env, grace_s, on_line)
     if outcome.signal_name is None:
         return launcher_status(outcome.code)
     return stop_status(outcome, grace_s, save_dir)
@@ -196,9 +197,12 @@ def cmd_check(argv: list[str]) -> int:
 
 
 def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list[str]], int],
-                         validate: Callable[[list[str], int], tuple[TrainConfig, object]]) -> int:
+                         validate: Callable[[list[str], int], tuple[TrainConfig, object]],
+                         supervise: Callable[[Callable[..., int]], int] | None = None) -> int:
     """Under a launcher: one rank (``rank_main``).  Outside one: validate (which returns the flags and the run's
-    settings, an assemble.RunSpec), then start the launcher on ``module``."""
+    settings, an assemble.RunSpec), then start the launcher on ``module``; ``supervise``, when given, is handed the
+    launch (``launch(extra_flags, extra_env, on_line) -> exit code``) to run as often as it needs (the bench:
+    bench_front.py)."""
     if any(os.environ.get(k) for k in LAUNCHED_ENV):
         return rank_main(argv)
     launch, rest, procs = _launch_options(argv)
@@ -216,8 +220,14 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
     if code:
         return code
     flags, spec = validated[0]
-    return _launch(rest, procs, launch.master_port, module, verbose=spec.outputs.verbose, grace_s=flags.stop_grace_s,
-                   save_dir=spec.checkpoint.save_dir)
+
+    def launch_ranks(extra: list[str] = (), extra_env: dict | None = None,
+                     on_line: Callable[[str], None] | None = None) -> int:
+        return _launch([*rest, *extra], procs, launch.master_port, module, verbose=spec.outputs.verbose,
+                       grace_s=flags.stop_grace_s, save_dir=spec.checkpoint.save_dir, extra_env=extra_env,
+                       on_line=on_line)
+
+    return launch_ranks() if supervise is None else supervise(launch_ranks)
 
 
 def _launch_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
@@ -384,12 +394,22 @@ def cmd_verify_checkpoint(argv: list[str]) -> int:
 def cmd_bench(argv: list[str]) -> int:
     from .bench import check_configurations, parse_bench_args
     from .bench import main as rank_main
+    from .bench_front import run_isolated
+
+    measured = []
 
     def validate(rest: list[str], procs: int) -> tuple[TrainConfig, object]:
         cfg, settings = parse_bench_args(rest)
-        return cfg, check_configurations(cfg, settings, world_size=procs).first.spec
+        checked = check_configurations(cfg, settings, world_size=procs)
+        measured.append((list(checked.setups), settings.out))
+        return cfg, checked.first.spec
 
-    return _distributed_command(argv, "ds_packdpo.bench", rank_main, validate)
+    def supervise(launch_ranks: Callable[..., int]) -> int:
+        """One launch of every configuration; one that crashes it is named and the others launched again."""
+        configurations, out = measured[0]
+        return run_isolated(configurations, out, lambda extra, env, log: launch_ranks(extra, env, log.feed))
+
+    return _distributed_command(argv, "ds_packdpo.bench", rank_main, validate, supervise)
 
 
 def report_parser() -> argparse.ArgumentParser:

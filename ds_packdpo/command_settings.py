@@ -14,9 +14,10 @@ from .config import flag
 
 # The held-out evaluation of a training run (of --eval-fraction or --eval-dataset, every --eval-steps).
 HELD_OUT_SETTINGS = ("eval_dataset", "eval_fraction", "eval_steps", "eval_max_pairs")
-# What a training run writes besides its steps: checkpoints, resume, export, the metrics file and the monitors.
+# What a training run writes besides its steps: checkpoints, resume, export, the metrics file, the monitors and the
+# step profile.
 RUN_OUTPUT_SETTINGS = ("save_steps", "save_dir", "save_total_limit", "resume", "allow_new_layout", "export_on_end",
-                       "max_shard_size", "metrics_out", "report_to", "run_name", "project")
+                       "max_shard_size", "metrics_out", "report_to", "run_name", "project", "profile_steps")
 # How a run trains: the optimizer and its LR schedule, how many steps, a bad step, the step log and its MFU,
 # TR-DPO's mixing, LoRA's adapters, activation checkpointing (a backward's).
 TRAINING_SETTINGS = ("optimizer", "lr", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "warmup_steps",
@@ -34,7 +35,7 @@ NOT_ACTED_ON: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
     "bench": (
         (HELD_OUT_SETTINGS, "bench measures training steps only (evaluate a model with 'ds-packdpo eval')"),
         (RUN_OUTPUT_SETTINGS, "bench measures training steps and writes only its report (no checkpoint, resume, "
-                              "export, metrics file or monitor)"),
+                              "export, metrics file, monitor or profile)"),
     ),
     # eval plans every held-out pair as one step (no batch of steps) and prints its figures (no folder).
     "eval": (

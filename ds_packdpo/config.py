@@ -75,12 +75,14 @@ FRACTION = Range(0, 1, high_open=True)  # [0, 1)
 # or do nothing sensible).  The loss's settings are the loss registry's (model/loss_registry.py: LossConfig.validate);
 # flags not named take any finite value up to LARGEST_COUNT.
 RANGES: dict[str, Range] = {
-    **dict.fromkeys(("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight"),
-                    AT_LEAST_0),
+    **dict.fromkeys(("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight",
+                     "zero_prefetch_bucket_size", "zero_param_persistence_threshold"), AT_LEAST_0),
     **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "tokenize_procs",
                      "sequence_parallel_size", "logging_steps", "max_tokens_per_row", "global_batch_pairs",
                      "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs", "eval_steps", "eval_max_pairs",
-                     "save_steps", "save_total_limit", "max_bad_steps", "ref_model_sync_steps"), AT_LEAST_1),
+                     "save_steps", "save_total_limit", "max_bad_steps", "ref_model_sync_steps", "profile_steps",
+                     "zero_reduce_bucket_size"),
+                    AT_LEAST_1),
     **dict.fromkeys(("peak_tflops", "collective_timeout_s", "lora_alpha"), ABOVE_0),
     **dict.fromkeys(("adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "lora_dropout"), FRACTION),
     "seed": Range(0, LARGEST_SEED, note=" (numpy's seeds)"),
@@ -168,9 +170,10 @@ class TrainConfig:
                                 "for both completions (exact: checked at start-up; needs --attn auto, sdpa_varlen or "
                                 "flash_attention_2/3, or sequence parallelism); --no-prefix-sharing runs every prompt "
                                 "twice. Only packed rows share prefixes.", True)
-    prompt_groups: bool = _opt("With prefix sharing, the pairs of a row whose prompts are the same token ids run as one "
-                               "group [prompt | r1 | ... | rk]: the prompt and every distinct response computed once "
-                               "(exact); --no-prompt-groups lays out each pair alone.", True)
+    prompt_groups: bool = _opt("With prefix sharing, the pairs of a step whose prompts are the same token ids run as "
+                               "groups [prompt | r1 | ... | rk]: every distinct response computed once, the prompt once "
+                               "per row holding one of them, the responses spread over ranks where that balances the "
+                               "step (exact); --no-prompt-groups lays out each pair alone.", True)
     drop_last: bool = _opt("Drop the last incomplete step of every epoch.", False)
     attention_weight: float = _opt("Balance ranks on tokens + W * sum of squared sequence lengths.", 0.0)
     epochs: int = _opt("Passes over the data. Left out, as many as --max-steps needs (default 1).", 1)
@@ -219,6 +222,19 @@ class TrainConfig:
     ds_config: str = _opt("DeepSpeed config: a built-in name (zero3, zero3_offload, zero2: ds_configs/, shipped in the "
                           "package) or a JSON path.", "zero3")
     ref_offload: bool = _opt("Offload the reference parameters to CPU (ZeRO-3).", False)
+    # ZeRO's communication (run/engines.ZeroSpec): each also a key of --ds-config's zero_optimization, given once
+    zero_prefetch_bucket_size: int | None = _opt(
+        "ZeRO-3's stage3_prefetch_bucket_size: parameter elements gathered ahead of the layers that need them. "
+        "Default: the DeepSpeed config's value, else 0.9 x hidden_size^2.")
+    zero_param_persistence_threshold: int | None = _opt(
+        "ZeRO-3's stage3_param_persistence_threshold: parameters of fewer elements stay whole on every rank (never "
+        "gathered or released). Default: the DeepSpeed config's value, else 10 x hidden_size.")
+    zero_reduce_bucket_size: int | None = _opt(
+        "ZeRO's reduce_bucket_size: gradient elements reduced (scattered) together. Default: the DeepSpeed config's "
+        "value, else hidden_size^2.")
+    zero_overlap_comm: bool | None = _opt(
+        "ZeRO's overlap_comm: reduce gradients while the backward runs (a side stream). Default: the DeepSpeed "
+        "config's value, else DeepSpeed's (on for ZeRO-3).")
     collective_timeout_s: float = _opt("Seconds before a stalled collective (e.g. a dead rank) ends the run.", 600.0)
     skip_packing_check: bool = _opt("Skip the start-up check that packed log-probs equal unpacked ones.", False)
     # --- sequence parallelism ---
@@ -228,6 +244,10 @@ class TrainConfig:
     # --- throughput (MFU in the per-step log and the bench) ---
     peak_tflops: float | None = _opt("Peak TFLOP/s of one device at the run's precision, for MFU (logged on GPU only; "
                                      "e.g. 989 for an H100 SXM in bf16).")
+    profile_steps: int | None = _opt(
+        "Run N optimizer steps (from the second) under torch.profiler and write OUTPUT_DIR/profile.json (the table "
+        "also in profile.md): the step's device time by category (GEMMs, attention, the log-prob stage, elementwise, "
+        "ZeRO-3 collectives, optimizer) with their FLOPs, and the time the device sat idle waiting for the host.")
     # --- outputs ---
     output_dir: str = _opt("Run folder (metrics, logs).", "runs/train")
     metrics_out: str | None = _opt("Per-step JSON lines (default OUTPUT_DIR/metrics.jsonl).")
@@ -266,6 +286,13 @@ class TrainConfig:
         "Recompute every decoder layer's activations in backward instead of keeping them (transformers' "
         "non-reentrant activation checkpointing): activation memory of one layer instead of all, for about one more "
         "forward per step. Puts the policy in training mode.", False)
+    compile_layers: bool = _opt(
+        "torch.compile each decoder layer's forward (inductor; regional: the layers share one graph, the token "
+        "dimension dynamic so that rows of a new length do not recompile; attention and ZeRO-3's hooks stay "
+        "eager): the same figures, faster where the GPU waits on many small kernels.", False)
+    liger_kernels: bool = _opt(
+        "liger-kernel's fused Triton RMSNorm, SwiGLU and rotary kernels in the model (CUDA, pip install -e "
+        "'.[liger]'); on a CPU the model keeps torch's layers, with one warning.", False)
     lr_scheduler: str = _opt(
         "LR after the warm-up: constant, linear decay or cosine decay to --min-lr-ratio x --lr at the end of the run "
         "(DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR; the total steps come from the plan).", "linear",

@@ -27,19 +27,26 @@ def is_hub_id(name: str) -> bool:
     return True
 
 
-def check_bare_name(name: str, where: str, file: str) -> None:
-    """A hub id without an organisation must be in the hub cache (holding ``file``): a bare name that is not is far
-    likelier a mistyped relative folder than one of the few legacy hub repositories without one, and the hub would
-    answer it only after retries, tens of seconds later."""
-    if "/" not in name and not isinstance(try_to_load_from_cache(name, file), str):
+def check_likely_local(name: str, where: str, file: str) -> None:
+    """A hub id not in the hub cache (holding ``file``) that reads as a mistyped local path is refused at once: a bare
+    name (one of the few legacy hub repositories has no organisation, a relative folder is far likelier) or an
+    ``org/name`` whose ``org`` is a folder here (``runs/my-model``). The hub would answer either only after retries,
+    tens of seconds later, with an error that does not name the flag."""
+    if isinstance(try_to_load_from_cache(name, file), str):
+        return
+    if "/" not in name:
         raise InputError(f"{where} {name}: no such folder (relative to {Path.cwd()}), and not a hub id of the form "
                          f"org/name")
+    parent = Path(name).parent
+    if parent.is_dir():
+        raise InputError(f"{where} {name}: no such folder ({parent} is a folder here, {Path(name).name} is not in "
+                         f"it); a hub id whose organisation is a local folder name is not tried on the hub")
 
 
 def check_model_source(name: str, where: str = "--model") -> None:
     """A local Hugging Face model folder (holding config.json) or a hub id; else one InputError naming it."""
     if is_hub_id(name):
-        check_bare_name(name, where, "config.json")
+        check_likely_local(name, where, "config.json")
         return
     folder = Path(name)
     if not (folder / "config.json").is_file():

@@ -23,6 +23,7 @@ from .data.run_plan import run_plan
 from .run.assemble import RunSetup, prepare, start
 from .run.process_group import exit_rank, run_rank_job
 from .run.reference import RECORD_KEYS, check_output_path, reference_fingerprint, write_reference
+from .run.response_exchange import exchanged_pairs
 
 
 def precompute_parser(prog: str = "ds-packdpo precompute-ref") -> FlagParser:
@@ -65,11 +66,16 @@ def precompute(flags, out: str | None) -> dict | None:
     local = {key: [] for key in RECORD_KEYS}
     bar = progress_bar(len(pair_ids), "reference log-probs", "pair", layout.rank == 0 and spec.outputs.progress)
     for plan in run_plan(setup.prepared, plan_cfg, epochs=1):
-        for row in plan.ranks[layout.dp_rank]:
-            seqs = run.reference_logps(run.row_batch(row))
-            if not layout.counts_metrics:
-                continue
-            local["pair_id"] += [pair_ids[i] for i in row.pairs]
+        found = []  # (pair indices, their sums in canonical order) this rank records
+        batches = [run.row_batch(row, plan) for row in plan.ranks[layout.dp_rank]]
+        references = [run.reference_logps(batch) for batch in batches]
+        if plan.responses is not None:  # responses spread over ranks: exchanged, rank 0 records the step's pairs
+            _, every = exchanged_pairs(run, plan, batches, [None] * len(batches), references)
+            found = [(plan.pairs, every)] if layout.rank == 0 else []
+        elif layout.counts_metrics:
+            found = [(batch.pair_indices.tolist(), seqs) for batch, seqs in zip(batches, references)]
+        for pairs, seqs in found:
+            local["pair_id"] += [pair_ids[i] for i in pairs]
             for key, values in (("chosen_logps", seqs.chosen_logps), ("rejected_logps", seqs.rejected_logps),
                                 ("chosen_tokens", seqs.chosen_tokens), ("rejected_tokens", seqs.rejected_tokens)):
                 local[key] += values.tolist()

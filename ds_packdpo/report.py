@@ -3,9 +3,9 @@
 A bench folder holds::
 
     report.json        the figures (REPORT_SCHEMA / RUN_SCHEMA: every key, always present)
-    report.md          the tables a person reads
-    tokens_per_s.png   real (and computed) tokens/s per configuration
-    rank_load.png      tokens per rank per measured step, one panel per configuration
+    report.md          the speed-ups measured (``comparisons.py``), then the tables a person reads
+    tokens_per_s.png   real and computed tokens/s per configuration (``report_plots.py``)
+    rank_load.png      real and computed tokens per rank, one panel per configuration
     lengths.png        the sequence-length histogram and the fill of the packed rows
 
 ``ds-packdpo report DIR [DIR ...] --out OUT`` reads the ``report.json`` of every folder
@@ -20,24 +20,23 @@ import json
 import time
 from pathlib import Path
 
-import matplotlib
-import matplotlib.pyplot as plt
-
+from .bench_rounds import NOISY_SPREAD, five_numbers, median_round, round_entry, spread
+from .comparisons import COMPARISONS, PACKED, UNSHARED, comparisons, headline, key_schema, report_keys
 from .errors import InputError
 from .files import atomic_folder, check_output_folder
 from .model.loss_registry import needs_policy_prepass
+from .report_plots import PLOTS, plot_merged, plot_report
 
-matplotlib.use("Agg")  # files only, no display
-
-SCHEMA_VERSION = 6  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
+SCHEMA_VERSION = 8  # 2: the parallel layout, per-step loss and grad norm, the trajectory check; 3: prefix sharing;
 # 4: prepass_flops (the aot pre-pass, outside the model FLOPs) and the loss in a merged report; 5: prompt groups'
-# speedup; 6: the configurations a bench that ended early did not measure
-OLDEST_READ_VERSION = 3  # schema 3 lacks prepass_flops (upgrade_schema_3), 3 and 4 the prompt-group figures, which
-# their runs give (prompt_groups_figures), and 3 to 5 wrote a report only once every configuration was measured:
-# clusters benched before still merge
+# speedup; 6: the configurations a bench that ended early did not measure; 7: rounds (the order, each configuration's
+# rounds and their spread), failed configurations, the comparisons table (comparisons.py) with every headline
+# comparison's speedup_over_ideal, real tokens per rank; 8: a run's lock-step utilization and the prompt tokens it
+# copied to spread prompt groups over ranks (null in older reports)
+OLDEST_READ_VERSION = 3  # schema 3 lacks prepass_flops (upgrade_schema_3); reports before 7 are one round each, their
+# speed-ups recomputed from their runs by the comparisons table (upgrade_before_rounds); 3 to 5 wrote a report only
+# once every configuration was measured: clusters benched before still merge
 NUMBER = (int, float)
-UNSHARED = "packed-no-prefix-sharing"  # packing alone: the baseline of prefix sharing
-GROUPS_OFF = "packed-no-prompt-groups"  # prefix sharing pair by pair: the baseline of prompt groups
 OPTIONAL_NUMBER = (int, float, type(None))
 
 # key -> (type(s), meaning).  Documented in the README; tests check every key and its type.
@@ -50,32 +49,30 @@ REPORT_SCHEMA = {
     "sp_size": (int, "ranks that share one row (--sequence-parallel-size)"),
     "dataset": (str, "dataset path or name ('synthetic' for the embedded one)"),
     "model": (dict, "source, architecture, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vocab_size"),
-    "environment": (dict, "python, torch, deepspeed, transformers, device_type, device_name, hostname, torch_threads"),
-    "settings": (dict, "every train setting, plus bench_warmup_steps, configurations, row_budget"),
-    "runs": (dict, "configuration name -> figures (RUN_SCHEMA); 'packed' and 'padded' by default"),
-    "unmeasured": (list, "configurations asked for and not measured: the report is rewritten after each one, so a "
-                         "bench that ended early (out of memory, a crash) keeps what it measured; the first was the "
-                         "one running when it ended (empty: the bench finished)"),
-    "speedup": (OPTIONAL_NUMBER, "runs.packed.tokens_per_s / runs.padded.tokens_per_s (null without both)"),
-    "ideal_speedup": (OPTIONAL_NUMBER, "runs.padded.computed_tokens / runs.packed.computed_tokens: the speedup if time "
-                                       "were proportional to computed tokens (null without both)"),
-    "speedup_over_ideal": (OPTIONAL_NUMBER, "speedup / ideal_speedup"),
-    "prefix_sharing_speedup": (OPTIONAL_NUMBER, "runs.packed.pairs_per_s / runs['packed-no-prefix-sharing'].pairs_per_s:"
-                                                " what computing each prompt once adds to packing (null without both)"),
-    "prefix_sharing_ideal_speedup": (OPTIONAL_NUMBER, "runs['packed-no-prefix-sharing'].computed_tokens / "
-                                                      "runs.packed.computed_tokens: tokens without sharing / tokens "
-                                                      "with (null without both)"),
-    "prompt_groups_speedup": (OPTIONAL_NUMBER, f"runs.packed.pairs_per_s / runs['{GROUPS_OFF}'].pairs_per_s: what "
-                                               "computing each response of a prompt once adds to prefix sharing (null "
-                                               "without both)"),
-    "prompt_groups_ideal_speedup": (OPTIONAL_NUMBER, f"runs['{GROUPS_OFF}'].computed_tokens / "
-                                                     "runs.packed.computed_tokens (null without both)"),
+    "environment": (dict, "python, torch, deepspeed, transformers, device_type, device_name, hostname, torch_threads, "
+                          "torch_threads_per_rank (every rank's), cpu_cores and local_ranks (rank 0's machine)"),
+    "settings": (dict, "every train setting, plus bench_warmup_steps, bench_rounds, configurations, row_budget"),
+    "runs": (dict, "configuration name -> figures (RUN_SCHEMA); by default packed, packed-no-prefix-sharing, padded "
+                   "and, on data whose prompts repeat, packed-no-prompt-groups"),
+    "rounds": (int, "rounds asked for (--bench-rounds): every configuration built afresh and measured once per round"),
+    "order": (list, "[round, configuration] in the order measured (the order rotated by one each round)"),
+    "failed": (dict, "configuration -> {error, round, rank, where, exit_code, blocking_rerun}: a configuration whose "
+                     "launch died (ds-packdpo bench then measured the others again without it); where: the failing "
+                     "rank's innermost frames; blocking_rerun: {error, where} of its rerun alone with "
+                     "CUDA_LAUNCH_BLOCKING=1 after a CUDA error, else null"),
+    "comparisons": (list, "one entry per comparison whose two configurations were measured (comparisons.py): name, "
+                          "numerator, denominator, rate, speedup, ideal_speedup, speedup_over_ideal, rounds, "
+                          "round_speedup_min, round_speedup_median, round_speedup_max (the ratio in each round)"),
+    "unmeasured": (list, "configurations asked for with no round measured: the report is rewritten after each "
+                         "configuration's round, so a bench that ended early (out of memory, a crash) keeps what it "
+                         "measured (report.md's first line says in which configuration and round it ended)"),
     "loss_max_rel_diff": (OPTIONAL_NUMBER, "largest |loss - first configuration's loss| / |first's| over the measured "
                                            "steps of the configurations that train the same parameters as the first "
                                            "(not the LoRA ones of a full fine-tuning first): they train the same pairs, "
                                            "so this is rounding (null when no other configuration compares)"),
     "same_trajectory": ((bool, type(None)), "loss_max_rel_diff is within SAME_TRAJECTORY_RTOL of --dtype (null when "
                                              "no other configuration compares)"),
+    **key_schema(OPTIONAL_NUMBER),
 }
 # Packed, padded, dense-mask or precomputed-reference runs of the same steps differ only by rounding: measured
 # here <= 1e-6 relative in fp32; bf16 rounds each log-prob to ~3 significant digits.
@@ -86,12 +83,19 @@ RUN_SCHEMA = {
     "attn": (str, "attention backend used"),
     "packing": (bool, "packed rows (true) or padded micro-batches (false)"),
     "sequence_parallel_size": (int, "ranks that shared each row"),
-    "measured_steps": (int, "optimizer steps measured (after the warm-up steps)"),
-    "tokens_per_s": (NUMBER, "real (non-padding) tokens per second, all ranks"),
-    "pairs_per_s": (NUMBER, "preference pairs per second, all ranks"),
-    "computed_tokens_per_s": (NUMBER, "tokens run through the model per second, padding included"),
-    "step_time_s": (dict, "median, p90, mean, min, max of the step wall time (slowest rank per step)"),
-    "real_tokens": (int, "real tokens of the measured steps"),
+    "measured_steps": (int, "optimizer steps measured per round (after the warm-up steps)"),
+    "tokens_per_s": (NUMBER, "real (non-padding) tokens per second, all ranks, in the median round"),
+    "pairs_per_s": (NUMBER, "preference pairs per second, all ranks, in the median round"),
+    "computed_tokens_per_s": (NUMBER, "tokens run through the model per second, padding included, median round"),
+    "step_time_s": (dict, "median, p90, mean, min, max of the step wall time (slowest rank per step), median round"),
+    "rounds": (list, "per round measured: round, position (1 = first of its round), seconds, tokens_per_s, "
+                     "pairs_per_s, computed_tokens_per_s, step_time_s (each measured step), loss (each step: the "
+                     "same in every round, which rebuilds the configuration from the same seed)"),
+    "median_round": (int, "the round whose figures (and steps) the run's are: the median by time"),
+    "round_seconds": (dict, "min, q1, median, q3, max of the rounds' measured time"),
+    "spread": (NUMBER, "(slowest - fastest round) / median round time; report.md flags a spread above "
+                       f"{NOISY_SPREAD:.0%}"),
+    "real_tokens": (int, "real tokens of the measured steps (of one round: every round runs the same steps)"),
     "computed_tokens": (int, "tokens the model ran in the measured steps, padding included, a shared prompt once"),
     "prompt_tokens_shared": (int, "prompt tokens not run a second time: each pair's prompt computed once for both "
                                   "completions (0 without prefix sharing); real_tokens - prompt_tokens_shared + "
@@ -102,9 +106,16 @@ RUN_SCHEMA = {
     "rank_load_max_over_mean": (NUMBER, "worst step's max/mean computed tokens per rank (1.0 = perfectly balanced)"),
     "rank_load_max_over_mean_mean": (NUMBER, "the same, averaged over the measured steps"),
     "rows_per_rank_mean": (NUMBER, "forward passes (rows or micro-batches) per rank per step"),
-    "peak_mem_mb": (NUMBER, "highest peak over ranks, MiB"),
-    "peak_mem_mb_per_rank": (list, "peak of each rank, MiB"),
-    "peak_mem_kind": (str, "'rss' (CPU, sampled every 10 ms) or 'cuda_max_allocated'"),
+    "lockstep_utilization": (OPTIONAL_NUMBER, "the plan's computed tokens / (data-parallel ranks x sum over row slots "
+                                              "of the slot's largest row): what ZeRO-3's lock-step pays for (null "
+                                              "before schema 8)"),
+    "prompt_copy_tokens": ((int, type(None)), "prompt tokens the rows computed beyond one copy per prompt group of a "
+                                              "step: what spreading a group's responses over ranks spent on balance "
+                                              "(0 without prompt groups; null before schema 8)"),
+    "peak_mem_mb": (NUMBER, "highest peak over ranks and rounds, MiB"),
+    "peak_mem_mb_per_rank": (list, "peak of each rank over the rounds, MiB"),
+    "peak_mem_kind": (str, "'rss' (CPU: the kernel's peak resident set, reset as each round starts), "
+                           "'rss_process_peak' (the process's, where it cannot be reset) or 'cuda_max_allocated'"),
     "model_flops": (NUMBER, "analytic model FLOPs of the measured steps (flops.py)"),
     "prepass_flops": (OPTIONAL_NUMBER, "analytic FLOPs of the no-grad policy pre-pass of --loss aot/aot_unpaired (one "
                                        "more policy forward per row) in the measured steps, 0 without it: its time is "
@@ -112,15 +123,12 @@ RUN_SCHEMA = {
                                        "schema-3 report of such a loss, which did not record it)"),
     "model_tflops_per_s": (NUMBER, "model_flops / measured time / 1e12, all ranks"),
     "mfu": (OPTIONAL_NUMBER, "model_tflops_per_s / (peak_tflops x world_size); null without --peak-tflops"),
-    "steps": (list, "per measured step: step, step_time_s, loss, grad_norm, pairs, real_tokens, computed_tokens, "
-                    "prompt_tokens_shared, rows_per_rank, rank_tokens and rank_computed_tokens (per data-parallel "
-                    "share; a shared prompt once), attention_sq, flops, prepass_flops, row_fill, sequence_lengths"),
+    "steps": (list, "per measured step of the median round: step, step_time_s, loss, grad_norm, pairs, real_tokens, "
+                    "computed_tokens, prompt_tokens_shared, rows_per_rank, rank_real_tokens (the real tokens of the pair "
+                    "sides each data-parallel share computes), rank_tokens and rank_computed_tokens (per data-parallel share; a "
+                    "shared prompt once), lockstep_tokens (sum over row slots of the largest row), prompt_copy_tokens, "
+                    "attention_sq, flops, prepass_flops, row_fill, sequence_lengths"),
 }
-PLOTS = ("tokens_per_s.png", "rank_load.png", "lengths.png")
-
-
-def _ratio(numerator, denominator):
-    return numerator / denominator if numerator is not None and denominator else None
 
 
 # Settings that change which parameters a configuration trains: such a configuration follows its own trajectory.
@@ -129,15 +137,6 @@ TRAINED_PARAMETER_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targ
 
 def _trained_parameters(run: dict) -> dict:
     return {key: run["overrides"].get(key) for key in TRAINED_PARAMETER_SETTINGS}
-
-
-def prompt_groups_figures(runs: dict) -> dict:
-    """What prompt groups add over prefix sharing pair by pair: pairs/s measured and the computed tokens' ideal."""
-    grouped, ungrouped = runs.get("packed"), runs.get(GROUPS_OFF)
-    both = grouped is not None and ungrouped is not None
-    return {"prompt_groups_speedup": _ratio(grouped["pairs_per_s"], ungrouped["pairs_per_s"]) if both else None,
-            "prompt_groups_ideal_speedup": (_ratio(ungrouped["computed_tokens"], grouped["computed_tokens"])
-                                            if both else None)}
 
 
 def loss_max_rel_diff(runs: dict) -> float | None:
@@ -153,26 +152,44 @@ def loss_max_rel_diff(runs: dict) -> float | None:
 
 
 def build_report(command: str, layout: dict, dataset: str, model: dict, environment: dict, settings: dict,
-                 runs: dict, unmeasured: tuple[str, ...] = ()) -> dict:
+                 runs: dict, unmeasured: tuple[str, ...] = (), rounds: int = 1, order: tuple = (),
+                 failed: dict | None = None) -> dict:
     """``layout``: the run's ParallelLayout.as_dict() (world_size, dp_size, sp_size); ``unmeasured``: the
-    configurations still to measure when it is written."""
-    packed, padded, unshared = runs.get("packed"), runs.get("padded"), runs.get(UNSHARED)
-    speedup = _ratio(packed["tokens_per_s"], padded["tokens_per_s"]) if packed and padded else None
-    ideal = _ratio(padded["computed_tokens"], packed["computed_tokens"]) if packed and padded else None
-    sharing = _ratio(packed["pairs_per_s"], unshared["pairs_per_s"]) if packed and unshared else None
-    sharing_ideal = _ratio(unshared["computed_tokens"], packed["computed_tokens"]) if packed and unshared else None
-    diff = loss_max_rel_diff(runs)
-    same = None if diff is None else diff <= SAME_TRAJECTORY_RTOL[settings["dtype"]]
+    configurations still to measure when it is written; ``order``: (round, configuration) as measured; ``failed``:
+    the configurations whose launch died (``bench_front.py``)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": command, **layout, "dataset": dataset, "model": model,
         "environment": environment, "settings": settings, "runs": runs, "unmeasured": list(unmeasured),
-        "speedup": speedup, "ideal_speedup": ideal, "speedup_over_ideal": _ratio(speedup, ideal),
-        "loss_max_rel_diff": diff, "same_trajectory": same,
-        "prefix_sharing_speedup": sharing, "prefix_sharing_ideal_speedup": sharing_ideal,
-        **prompt_groups_figures(runs),
+        "rounds": rounds, "order": [list(entry) for entry in order], "failed": dict(failed or {}),
+        **figures_of_runs(runs, settings["dtype"]),
     }
+
+
+def figures_of_runs(runs: dict, dtype: str) -> dict:
+    """What a report derives from its runs: the trajectory check, the speed-up keys and the comparisons list."""
+    diff = loss_max_rel_diff(runs) if runs else None
+    return {"loss_max_rel_diff": diff, "same_trajectory": None if diff is None else diff <= SAME_TRAJECTORY_RTOL[dtype],
+            **report_keys(runs), "comparisons": comparisons(runs)}
+
+
+def with_failures(report: dict, failed: dict) -> dict:
+    """``report`` with the configurations of ``failed`` marked failed: their runs (of rounds measured before the
+    crash) left out, the speed-ups and the trajectory check recomputed without them."""
+    runs = {name: run for name, run in report["runs"].items() if name not in failed}
+    return {**report, "runs": runs, "failed": {**report["failed"], **failed},
+            "unmeasured": [name for name in report["unmeasured"] if name not in failed],
+            **figures_of_runs(runs, report["settings"]["dtype"])}
+
+
+def run_rounds(steps_of_rounds: list[list[dict]], positions: list[int]) -> dict:
+    """A configuration's round figures (RUN_SCHEMA's rounds, median_round, round_seconds, spread) from the steps of
+    each round it ran (``positions``: its place in each round, 1 = first)."""
+    rounds = [round_entry(number, position, steps)
+              for number, (position, steps) in enumerate(zip(positions, steps_of_rounds), start=1)]
+    return {"rounds": rounds, "median_round": rounds[median_round(rounds)]["round"],
+            "round_seconds": five_numbers([entry["seconds"] for entry in rounds]), "spread": spread(rounds)}
 
 
 def check_report(report, source: str) -> dict:
@@ -192,22 +209,45 @@ def check_report(report, source: str) -> dict:
     if isinstance(version, int) and not OLDEST_READ_VERSION <= version <= SCHEMA_VERSION:
         raise InputError(f"{source}: schema_version {version} (this version reads {OLDEST_READ_VERSION} to "
                          f"{SCHEMA_VERSION}; rerun that bench with this version)")
-    lacks_prompt_groups = isinstance(version, int) and version < 5
-    if lacks_prompt_groups:  # the prompt-group figures, from its runs once they are checked
-        report.update(dict.fromkeys(prompt_groups_figures({})))
+    before_rounds = isinstance(version, int) and version < 7
     if isinstance(version, int) and version < 6:  # written complete or not at all
         report["unmeasured"] = []
+    if before_rounds:  # one round each; the speed-ups from its runs once they are checked
+        report.update({"rounds": 1, "order": [], "failed": {}, "comparisons": [],
+                       **dict.fromkeys(key for row in COMPARISONS for key in row.keys)})
+    if isinstance(version, int) and version < 8:  # not recorded
+        for run in report.get("runs", {}).values() if isinstance(report.get("runs"), dict) else ():
+            if isinstance(run, dict):
+                run.setdefault("lockstep_utilization", None)
+                run.setdefault("prompt_copy_tokens", None)
     check(report, REPORT_SCHEMA, "")
     for name, run in report["runs"].items():
         if not isinstance(run, dict):
             raise InputError(f"{source}: runs.{name} is not an object")
     if report["schema_version"] == 3:
         upgrade_schema_3(report)
+    if before_rounds:
+        upgrade_before_rounds(report, source)
     for name, run in report["runs"].items():
         check(run, RUN_SCHEMA, f"runs.{name}.")
-    if lacks_prompt_groups:
-        report.update(prompt_groups_figures(report["runs"]))
     return report
+
+
+def upgrade_before_rounds(report: dict, source: str) -> None:
+    """A report of schema 3 to 6 in schema 7's form: each configuration measured in one round (its steps), in the
+    order of its runs; the speed-ups recomputed from the runs by the comparisons table (the same ratios they held,
+    and the ones they lacked: the prompt groups' before schema 5, every speedup_over_ideal but packing's)."""
+    for name, run in report["runs"].items():
+        steps = run.get("steps")
+        if not isinstance(steps, list) or not steps or not all(isinstance(step, dict) for step in steps):
+            raise InputError(f"{source}: runs.{name}.steps is not a list of measured steps")
+        try:
+            run.update(run_rounds([steps], [len(report["order"]) + 1]))
+        except (KeyError, TypeError, ZeroDivisionError):
+            raise InputError(f"{source}: runs.{name}.steps lack a step's time, tokens or pairs") from None
+        report["order"].append([1, name])
+    report.update(report_keys(report["runs"]))
+    report["comparisons"] = comparisons(report["runs"])
 
 
 def upgrade_schema_3(report: dict) -> None:
@@ -259,9 +299,11 @@ def _fmt(value, digits: int = 3) -> str:
 
 RUN_COLUMNS = [("configuration", lambda r: r["name"]), ("attn", lambda r: r["attn"]),
                ("tokens/s", lambda r: r["tokens_per_s"]), ("pairs/s", lambda r: r["pairs_per_s"]),
+               ("rounds", lambda r: len(r["rounds"])), ("spread", lambda r: f"{r['spread']:.0%}"),
                ("step s (median)", lambda r: r["step_time_s"]["median"]), ("step s (p90)", lambda r: r["step_time_s"]["p90"]),
                ("real tokens", lambda r: r["real_tokens"]), ("computed tokens", lambda r: r["computed_tokens"]),
                ("utilization", lambda r: r["utilization"]), ("rank max/mean", lambda r: r["rank_load_max_over_mean"]),
+               ("lock-step", lambda r: r["lockstep_utilization"]), ("prompt copies", lambda r: r["prompt_copy_tokens"]),
                ("fwd/rank/step", lambda r: r["rows_per_rank_mean"]), ("peak MiB", lambda r: r["peak_mem_mb"]),
                ("model TFLOP/s", lambda r: r["model_tflops_per_s"]), ("MFU", lambda r: r["mfu"])]
 
@@ -277,35 +319,114 @@ def render_markdown(report: dict) -> str:
     runs = list(report["runs"].values())
     text = [
         f"# ds_packdpo throughput: {report['dataset']}\n",
+        _failed_lines(report),
         _unmeasured_line(report),
+        speedup_lines(report),
+        _noise_lines(report),
         f"{report['world_size']} ranks ({report['dp_size']} data-parallel x {report['sp_size']} sequence-parallel) on "
-        f"{env['device_type']} ({env['device_name']}, host {env['hostname']}, "
-        f"{env['torch_threads']} torch threads per rank); torch {env['torch']}, deepspeed {env['deepspeed']}, "
-        f"transformers {env['transformers']}.\n",
+        f"{env['device_type']} ({env['device_name']}, host {env['hostname']}, {_threads_text(env)}); torch "
+        f"{env['torch']}, deepspeed {env['deepspeed']}, transformers {env['transformers']}.\n",
+        _oversubscribed_line(report),
         f"Model: {model['architecture']} from `{model['source']}`: hidden {model['hidden_size']}, {model['num_layers']} "
         f"layers, {model['num_heads']} heads ({model['num_kv_heads']} KV), vocab {model['vocab_size']}.\n",
         f"Settings: max length {settings['max_length']}, row budget {settings['row_budget']}, "
         f"{settings['global_batch_pairs']} pairs per step, padded micro-batch {settings['micro_batch_pairs']} pairs, "
-        f"{settings['dtype']}, `{settings['ds_config']}`, {settings['bench_warmup_steps']} warm-up + "
-        f"{settings['max_steps']} measured steps per configuration; loss {loss_text(settings)}.\n",
-        _packing_line(report),
+        f"{settings['dtype']}, `{settings['ds_config']}`; loss {loss_text(settings)}.\n",
+        _rounds_line(report),
         _prefix_sharing_line(report),
-        _prompt_groups_line(report),
-        _table([c for c, _ in RUN_COLUMNS], [[get(r) for _, get in RUN_COLUMNS] for r in runs]),
-        _flops_line(report),
+        _table([c for c, _ in RUN_COLUMNS], [[get(r) for _, get in RUN_COLUMNS] for r in runs]) if runs else "",
+        _flops_line(report) if runs else "",
         _trajectory_line(report),
         f"\nCommand: `{report['command']}`\n",
         "\n" + "".join(f"![{p}]({p})\n" for p in PLOTS),
     ]
-    return "\n".join(text)
+    return "\n".join(line for line in text if line)
+
+
+def speedup_lines(report: dict) -> str:
+    """What report.md opens with: every speed-up the run measured, each beside its token ideal."""
+    if not report["comparisons"]:
+        return "No comparison measured: no two configurations of one (`ds_packdpo/comparisons.py`) were both run.\n"
+    return ("Speed-ups measured (each configuration's figures are those of its median round; each speed-up beside its "
+            "token ideal, the ratio of the tokens the two configurations computed):\n\n"
+            + "".join(f"- {headline(figures, bold=True)}\n" for figures in report["comparisons"]))
+
+
+def _noise_lines(report: dict) -> str:
+    """A bold line per configuration whose rounds spread more than NOISY_SPREAD of their median time."""
+    lines = []
+    for run in report["runs"].values():
+        if len(run["rounds"]) > 1 and run["spread"] > NOISY_SPREAD:
+            seconds = run["round_seconds"]
+            lines.append(f"**Noisy: `{run['name']}` took {_fmt(seconds['min'])}-{_fmt(seconds['max'])} s per round over "
+                         f"{len(run['rounds'])} rounds, a spread of {run['spread']:.0%} of its median "
+                         f"({_fmt(seconds['median'])} s), more than {NOISY_SPREAD:.0%}: its figures, and the speed-ups "
+                         f"it is in, are not known better than that (a busy machine?); rerun on a quiet machine or with "
+                         f"more --bench-rounds.**\n")
+    return "\n".join(lines)
+
+
+def _rounds_line(report: dict) -> str:
+    """How the configurations were measured: rounds, their order, the steps of each."""
+    settings = report["settings"]
+    order: dict[int, list[str]] = {}
+    for number, name in report["order"]:
+        order.setdefault(number, []).append(name)
+    shown = "; ".join(f"round {number}: {', '.join(names)}" for number, names in list(order.items())[:3])
+    more = "; ..." if len(order) > 3 else ""
+    return (f"Measured in {report['rounds']} round{'s' if report['rounds'] != 1 else ''} of "
+            f"{settings['bench_warmup_steps']} warm-up + {settings['max_steps']} measured steps per configuration, each "
+            f"configuration built afresh from the same seed in every round, the order rotated each round ({shown}{more})"
+            f".\n")
+
+
+def _threads_text(env: dict) -> str:
+    threads = env.get("torch_threads_per_rank") or [env["torch_threads"]]
+    per_rank = (f"{threads[0]} torch threads per rank" if len(set(threads)) == 1
+                else f"torch threads per rank {', '.join(map(str, threads))}")
+    return per_rank + (f" on {env['cpu_cores']} cores" if env.get("cpu_cores") else "")
+
+
+def _oversubscribed_line(report: dict) -> str:
+    """Said in bold when the CPU ranks of rank 0's machine run more torch threads than it has cores."""
+    env = report["environment"]
+    threads, cores = env.get("torch_threads_per_rank"), env.get("cpu_cores")
+    if env["device_type"] != "cpu" or not threads or not cores:
+        return ""
+    local = env.get("local_ranks") or len(threads)
+    if local * max(threads) <= cores:
+        return ""
+    return (f"**Oversubscribed: {local} ranks x {max(threads)} torch threads on {cores} cores: the ranks' threads "
+            f"compete for the cores and the step times say more about the scheduler than the step (set "
+            f"OMP_NUM_THREADS; `ds-packdpo bench` gives each rank cores / ranks).**\n")
+
+
+def _failed_lines(report: dict) -> str:
+    """Said first: configurations whose launch died, with the error, and the others measured again without them."""
+    lines = []
+    for name, failure in report["failed"].items():
+        blocking = failure.get("blocking_rerun")
+        rerun = ""
+        if blocking:
+            where = f" at {blocking['where']}" if blocking.get("where") else ""
+            rerun = f"; alone with CUDA_LAUNCH_BLOCKING=1: {blocking['error']}{where}"
+        rank = f", rank {failure['rank']}" if failure.get("rank") is not None else ""
+        lines.append(f"**Failed: `{name}` (round {failure['round']}{rank}): {failure['error']}{rerun}.** The other "
+                     f"configurations were measured again without it.\n")
+    return "\n".join(lines)
 
 
 def _unmeasured_line(report: dict) -> str:
-    """Said first: a bench that ended before its last configuration (its other figures stand)."""
-    if not report["unmeasured"]:
-        return ""
-    return (f"**Incomplete: the bench ended while measuring `{report['unmeasured'][0]}`; not measured: "
-            f"{', '.join(report['unmeasured'])}.**\n")
+    """Said first: a bench that ended before its last configuration's last round (its other figures stand)."""
+    order, done = report["order"], sum(len(run["rounds"]) for run in report["runs"].values())
+    never = f"; not measured at all: {', '.join(report['unmeasured'])}" if report["unmeasured"] else ""
+    if done < len(order):
+        number, name = order[done]
+        return (f"**Incomplete: the bench ended while measuring `{name}` in round {number} of {report['rounds']} "
+                f"({done} of {len(order)} configuration rounds measured){never}.**\n")
+    if report["unmeasured"]:  # a report before rounds: its order lists what it measured
+        return f"**Incomplete: the bench ended while measuring `{report['unmeasured'][0]}`{never}.**\n"
+    return ""
 
 
 def loss_text(settings: dict) -> str:
@@ -319,39 +440,20 @@ def loss_text(settings: dict) -> str:
     return text + (f" with {', '.join(extras)}" if extras else "")
 
 
-def _packing_line(report: dict) -> str:
-    """What packing gains over padding, next to its ideal."""
-    if report["speedup"] is None:
-        return "Packing: no `packed` and `padded` pair of runs to compare.\n"
-    return (f"**speedup (packed / padded tokens/s): {_fmt(report['speedup'])}**, ideal speedup (padded / packed computed "
-            f"tokens): {_fmt(report['ideal_speedup'])}, speedup / ideal: {_fmt(report['speedup_over_ideal'])}.\n")
-
-
 def _prefix_sharing_line(report: dict) -> str:
-    """What computing each prompt once adds to packing, next to its ideal."""
+    """Why prefix sharing's speed-up is off its token ideal (its figure is among the speed-ups above)."""
     if report["prefix_sharing_speedup"] is None:
-        return f"Prefix sharing: no `packed` and `{UNSHARED}` pair of runs to compare.\n"
-    shared, unshared = report["runs"]["packed"], report["runs"][UNSHARED]
+        return ""
+    shared, unshared = report["runs"][PACKED], report["runs"][UNSHARED]
     if report["prefix_sharing_speedup"] < report["prefix_sharing_ideal_speedup"]:
         why = ("the gap is work sharing does not shrink: the lm_head over the completion tokens, the rejected tokens' "
                "attention to the prompt, collectives and the optimizer step")
     else:
         why = (f"above the token ideal: the unshared rows also take {_fmt(unshared['rows_per_rank_mean'])} forwards per "
                f"rank and step against {_fmt(shared['rows_per_rank_mean'])}, each gathering the weights again")
-    return (f"**prefix sharing (packed / {UNSHARED} pairs/s): {_fmt(report['prefix_sharing_speedup'])}**, ideal "
-            f"{_fmt(report['prefix_sharing_ideal_speedup'])} (tokens without sharing / with: "
-            f"{shared['prompt_tokens_shared']:,} prompt tokens not run twice), "
-            f"{_fmt(unshared['model_flops'] / shared['model_flops'])} by the analytic FLOPs (attention included); "
+    return (f"Prefix sharing: {shared['prompt_tokens_shared']:,} prompt tokens not run twice; "
+            f"{_fmt(unshared['model_flops'] / shared['model_flops'])}x by the analytic FLOPs (attention included); "
             f"{why}.\n")
-
-
-def _prompt_groups_line(report: dict) -> str:
-    """What computing each response of a prompt once adds to prefix sharing, next to its ideal (no line without a
-    `packed-no-prompt-groups` run: most benches do not measure it)."""
-    if report["prompt_groups_speedup"] is None:
-        return ""
-    return (f"**prompt groups (packed / {GROUPS_OFF} pairs/s): {_fmt(report['prompt_groups_speedup'])}**, ideal "
-            f"{_fmt(report['prompt_groups_ideal_speedup'])} (computed tokens pair by pair / grouped).\n")
 
 
 def _flops_line(report: dict) -> str:
@@ -385,81 +487,6 @@ def _trajectory_line(report: dict) -> str:
             f"{diff:.2g} (rounding bound for {report['settings']['dtype']}: {tolerance:g}): {verdict}.\n")
 
 
-# ----------------------------------------------------------------------------- plots
-
-def _bar_labels(ax, bars, values):
-    for bar, value in zip(bars, values):
-        ax.annotate(f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                    va="bottom", fontsize=8)
-
-
-def plot_report(report: dict, folder: Path) -> None:
-    runs = report["runs"]
-    names = list(runs)
-    title = f"{Path(report['dataset']).name}, {report['world_size']} ranks, {report['environment']['device_type']}"
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    x = range(len(names))
-    real = [runs[n]["tokens_per_s"] for n in names]
-    computed = [runs[n]["computed_tokens_per_s"] for n in names]
-    _bar_labels(ax, ax.bar([i - 0.2 for i in x], real, 0.4, label="real tokens/s"), real)
-    ax.bar([i + 0.2 for i in x], computed, 0.4, label="computed tokens/s (padding in, a shared prompt once)", alpha=0.5)
-    ax.set_xticks(list(x), names)
-    ax.set_ylabel("tokens / s (all ranks)")
-    subtitle = []
-    if report["speedup"]:
-        subtitle.append(f"speedup {_fmt(report['speedup'])}, ideal {_fmt(report['ideal_speedup'])}")
-    if report["prefix_sharing_speedup"]:
-        subtitle.append(f"prefix sharing {_fmt(report['prefix_sharing_speedup'])} (pairs/s), ideal "
-                        f"{_fmt(report['prefix_sharing_ideal_speedup'])}")
-    ax.set_title(f"Throughput: {title}\n{'; '.join(subtitle)}", fontsize=10)
-    ax.set_ylim(top=1.2 * max(real + computed))  # room for the legend above the bars
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(folder / "tokens_per_s.png", dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), sharey=True, squeeze=False)
-    for ax, name in zip(axes[0], names):
-        steps = runs[name]["steps"]
-        world = len(steps[0]["rank_tokens"])
-        width = 0.8 / world
-        for rank in range(world):
-            xs = [i + rank * width for i in range(len(steps))]
-            ax.bar(xs, [s["rank_computed_tokens"][rank] for s in steps], width, alpha=0.35, color=f"C{rank}")
-            ax.bar(xs, [s["rank_tokens"][rank] for s in steps], width, color=f"C{rank}", label=f"rank {rank}")
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(steps))], [str(s["step"]) for s in steps])
-        ax.set_xlabel("step")
-        ax.set_title(f"{name}: utilization {runs[name]['utilization']:.2f}", fontsize=10)
-    axes[0][0].set_ylabel("tokens per rank (solid: real, light: computed)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(folder / "rank_load.png", dpi=110)
-    plt.close(fig)
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9.0, 3.6))
-    first = runs[names[0]]["steps"]
-    left.hist([n for s in first for n in s["sequence_lengths"]], bins=30, color="C0")
-    left.set_xlabel("sequence length (tokens)")
-    left.set_ylabel("sequences")
-    left.set_title("sequence lengths of the measured steps", fontsize=10)
-    packed = next((n for n in names if runs[n]["packing"]), None)  # configurations share rows for one budget
-    fills = [f for s in runs[packed]["steps"] for f in s["row_fill"]] if packed else []
-    if fills:
-        right.hist(fills, bins=20, range=(0, 1), color="C2")
-        right.set_title(f"{packed} row fill (mean {sum(fills) / len(fills):.2f}, budget "
-                        f"{report['settings']['row_budget']})", fontsize=10)
-    else:
-        right.set_title("no packed configuration", fontsize=10)
-    right.set_xlabel("row tokens / row budget")
-    right.set_ylabel("rows")
-    for ax in (left, right):
-        ax.yaxis.get_major_locator().set_params(integer=True)
-    fig.tight_layout()
-    fig.savefig(folder / "lengths.png", dpi=110)
-    plt.close(fig)
-
-
 # ----------------------------------------------------------------------------- merge
 
 def short_name(source: str) -> str:
@@ -480,15 +507,18 @@ COMPARED_KEYS = {"model": "model", "dataset_name": "dataset", "max_length": "max
 
 
 def merge_reports(folders: list[str]) -> dict:
-    """One comparison of several bench folders: a row per (folder, configuration), and what the folders differ in."""
+    """One comparison of several bench folders: a row per (folder, configuration), a row per (folder, comparison),
+    and what the folders differ in."""
     if not folders:
         raise InputError("report: give at least one bench folder")
-    entries, incomplete = [], {}
+    entries, speedups, incomplete, failed = [], [], {}, {}
     for folder in folders:
         report = read_report(folder)
         env = report["environment"]
         if report["unmeasured"]:
             incomplete[str(folder)] = report["unmeasured"]
+        if report["failed"]:
+            failed[str(folder)] = {name: failure["error"] for name, failure in report["failed"].items()}
         for name, run in report["runs"].items():
             entries.append({
                 "source": str(folder), "configuration": name, "world_size": report["world_size"],
@@ -498,21 +528,24 @@ def merge_reports(folders: list[str]) -> dict:
                 "model": model_text(report["model"]), "max_length": report["settings"]["max_length"],
                 "loss": loss_text(report["settings"]),
                 **{k: run[k] for k in ("tokens_per_s", "pairs_per_s", "utilization", "peak_mem_mb",
-                                       "model_tflops_per_s", "mfu")},
-                "step_time_median_s": run["step_time_s"]["median"],
-                "speedup": report["speedup"], "ideal_speedup": report["ideal_speedup"],
+                                       "model_tflops_per_s", "mfu", "spread")},
+                "rounds": len(run["rounds"]), "step_time_median_s": run["step_time_s"]["median"],
             })
+        speedups += [{"source": str(folder), "world_size": report["world_size"], **figures}
+                     for figures in report["comparisons"]]
     differs_in = [label for key, label in COMPARED_KEYS.items() if len({e[key] for e in entries}) > 1]
     return {"schema_version": SCHEMA_VERSION, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "sources": [str(f) for f in folders], "differs_in": differs_in, "incomplete": incomplete,
-            "entries": entries}
+            "failed": failed, "entries": entries, "comparisons": speedups}
 
 
 def comparability_line(merged: dict) -> str:
     """One line: whether the folders measured the same work, so that their figures compare (and which benches ended
-    before their last configuration)."""
+    before their last configuration, or lost one)."""
     ended = "".join(f" **{source} ended early: not measured {', '.join(names)}.**"
                     for source, names in merged["incomplete"].items())
+    ended += "".join(f" **{source} lost {', '.join(f'{name} ({error})' for name, error in lost.items())}.**"
+                     for source, lost in merged.get("failed", {}).items())
     if not merged["differs_in"]:
         return f"Every folder ran the same {', '.join(COMPARED_KEYS.values())}: their figures compare.{ended}\n"
     return (f"**Not comparable: the folders differ in {', '.join(merged['differs_in'])}; their tokens/s, step times "
@@ -520,29 +553,29 @@ def comparability_line(merged: dict) -> str:
 
 
 MERGE_COLUMNS = ("source", "configuration", "model", "dataset_name", "max_length", "loss", "world_size", "sp_size",
-                 "device_name", "tokens_per_s", "pairs_per_s", "step_time_median_s", "utilization", "peak_mem_mb",
-                 "mfu", "speedup", "ideal_speedup")
+                 "device_name", "tokens_per_s", "pairs_per_s", "rounds", "spread", "step_time_median_s",
+                 "utilization", "peak_mem_mb", "mfu")
+SPEEDUP_COLUMNS = ("source", "world_size", "name", "numerator", "denominator", "speedup", "round_speedup_min",
+                   "round_speedup_max", "ideal_speedup", "speedup_over_ideal")
+
+
+def merged_markdown(merged: dict) -> str:
+    """The merged report.md: whether the folders compare, every folder's speed-ups (the comparisons table), then
+    every folder's configurations."""
+    speedups = [[e[c] for c in SPEEDUP_COLUMNS] for e in merged["comparisons"]]
+    rows = [[f"{e[c]:.0%}" if c == "spread" else e[c] for c in MERGE_COLUMNS] for e in merged["entries"]]
+    return ("# ds_packdpo throughput comparison\n\n" + comparability_line(merged)
+            + ("\nSpeed-ups (round min and max: the speed-up in the folder's fastest- and slowest-ratio round):\n\n"
+               + _table(["source", "ranks", "comparison", "numerator", "denominator", "speedup", "round min",
+                         "round max", "token ideal", "speedup / ideal"], speedups) if speedups else "")
+            + "\n" + _table([COMPARED_KEYS.get(column, column) for column in MERGE_COLUMNS], rows)
+            + "\n![tokens per second](tokens_per_s.png)\n")
 
 
 def write_merged(merged: dict, out: Path, overwrite: bool = False) -> None:
     def fill(folder: Path) -> None:
         (folder / "merged.json").write_text(json.dumps(merged, indent=1) + "\n")
-        rows = [[e[c] for c in MERGE_COLUMNS] for e in merged["entries"]]
-        header = [COMPARED_KEYS.get(column, column) for column in MERGE_COLUMNS]
-        title = "# ds_packdpo throughput comparison\n\n"
-        (folder / "report.md").write_text(title + comparability_line(merged) + "\n" + _table(header, rows)
-                                          + "\n![tokens per second](tokens_per_s.png)\n")
-        entries = merged["entries"]
-        fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(entries)), 4.0))
-        labels = [f"{Path(e['source']).name}\n{e['configuration']} ({e['world_size']}r)" for e in entries]
-        colors = [f"C{merged['sources'].index(e['source']) % 10}" for e in entries]
-        values = [e["tokens_per_s"] for e in entries]
-        _bar_labels(ax, ax.bar(range(len(entries)), values, color=colors), values)
-        ax.set_xticks(range(len(entries)), labels, fontsize=8)
-        ax.set_ylabel("real tokens / s (all ranks)")
-        ax.set_title("Throughput per bench folder and configuration", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(folder / "tokens_per_s.png", dpi=110)
-        plt.close(fig)
+        (folder / "report.md").write_text(merged_markdown(merged))
+        plot_merged(merged, folder)
 
     write_atomically(out, overwrite, fill)

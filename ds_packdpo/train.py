@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from deepspeed.accelerator import get_accelerator
+
 from .config import parse_train_args
 from .errors import run_guarded
 from .run.assemble import prepare, start
+from .run.cpu_memory import steady_allocator
 from .run.process_group import close_process_group, exit_rank
 from .run.trainer import describe_plan, export_on_end, plan_summary, train_loop
 
@@ -26,6 +29,8 @@ def train(flags) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     def job() -> int:
+        if get_accelerator().device_name() == "cpu":
+            steady_allocator()  # a step's memory kept, not faulted in again each step (run/cpu_memory.py)
         train(parse_train_args(argv, prog="ds_packdpo.train"))
         return 0
 

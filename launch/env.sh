@@ -7,3 +7,8 @@ if [[ -z "${TORCH_EXTENSIONS_DIR:-}" ]]; then
         export TORCH_EXTENSIONS_DIR=$venv_dir
     fi
 fi
+
+# What the ranks on other nodes need of the launching shell, besides what their launcher passes on: this venv's tools
+# first on PATH (ninja builds that extension), where the extension and the hub cache are, the accelerator.
+# launch/mpirun.sh passes them with -x, launch/multinode.sh through DeepSpeed's environment file.
+JOB_ENV=(PATH LD_LIBRARY_PATH DS_ACCELERATOR HF_HOME TORCH_EXTENSIONS_DIR)

@@ -62,12 +62,12 @@ fi
 
 # The trainer hands MASTER_PORT to DeepSpeed's MPI discovery and keeps a MASTER_ADDR it is given.
 export MASTER_PORT=$master_port
-mpi_args+=(-x MASTER_PORT -x PATH)
+mpi_args+=(-x MASTER_PORT)
 if [[ -n "$master_addr" ]]; then
     export MASTER_ADDR=$master_addr
     mpi_args+=(-x MASTER_ADDR)
 fi
-for var in PYTHONPATH LD_LIBRARY_PATH DS_ACCELERATOR CUDA_VISIBLE_DEVICES HF_HOME TORCH_EXTENSIONS_DIR; do
+for var in "${JOB_ENV[@]}" PYTHONPATH CUDA_VISIBLE_DEVICES; do
     if [[ -n "${!var:-}" ]]; then
         mpi_args+=(-x "$var")
     fi

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> dict:
     times = {"extra_cpu_s": [], "step_cpu_s": [], "extra_wall_s": [], "step_wall_s": []}
     plan_spec = setup.spec.plan
     for plan in itertools.islice(run_plan(setup.prepared, plan_spec.config, plan_spec.epochs), plan_spec.max_steps):
-        batches = [run.row_batch(row) for row in plan.ranks[setup.spec.layout.dp_rank]]
+        batches = [run.row_batch(row, plan) for row in plan.ranks[setup.spec.layout.dp_rank]]
         cpu, wall = time.process_time(), time.perf_counter()
         with torch.no_grad():
             for batch in batches:

@@ -23,12 +23,13 @@ WHEELS=(
     "hjson==3.1.0"
     "trl==1.16.0"
     "cut-cross-entropy==25.1.1"  # --logps-impl fused; its Triton comes with the image's CUDA torch
+    "liger-kernel==0.8.5"  # --liger-kernels (the tune stage's liger row); Triton as above
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version "$PYVER" \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
     -d .whl "${WHEELS[@]}"
 python3 -m pip download -q --no-deps --no-binary=:all: -d .whl "deepspeed==0.19.8"
 # the demo data: the device machine receives the checkout alone, not ../shared beside it
-mkdir -p .gpu_data && cp ../shared/data/dpo_en_demo.json .gpu_data/
+mkdir -p .gpu_data && cp ../shared/data/dpo_en_demo.json ../shared/data/multi_response_demo.jsonl .gpu_data/
 du -sh .whl .gpu_data
 ls .whl

@@ -146,6 +146,7 @@ def summarize(out: Path) -> int:
     train_metrics = _read_jsonl(out / "train" / "metrics.jsonl")
     train_plan = _read_json(out / "train" / "plan_summary.json")
     bench = _read_json(out / "bench" / "report.json") or {}
+    bench_groups = _read_json(out / "bench_groups" / "report.json") or {}
     trl_report = _read_json(out / "trl.json")
     steps = [m for m in train_metrics if "loss" in m and "step" in m]
     measured = steps[1:]  # the first step pays allocation and kernel selection
@@ -164,12 +165,19 @@ def summarize(out: Path) -> int:
     summary = {"stages": stages, "matrix_ok": matrix.get("ok"), "torch_varlen_semantics":
                matrix.get("torch_varlen_semantics"), "bf16_guard": matrix.get("bf16_guard"), "train": train,
                "bench": {name: {k: r.get(k) for k in ("attn", "tokens_per_s", "pairs_per_s", "mfu",
-                                                      "model_tflops_per_s", "peak_mem_mb", "step_time_median_s")}
+                                                      "model_tflops_per_s", "peak_mem_mb", "spread")}
                          for name, r in runs.items()},
+               "bench_groups": {name: {k: r.get(k) for k in ("tokens_per_s", "pairs_per_s", "computed_tokens", "spread")}
+                                for name, r in bench_groups.get("runs", {}).items()},
                "bench_same_trajectory": bench.get("same_trajectory"),
                "bench_unmeasured": bench.get("unmeasured", []),  # a bench that ended early keeps what it measured
+               # a configuration that crashed, named with its error (and the kernel, rerun with CUDA_LAUNCH_BLOCKING=1)
+               "bench_failed": {**bench.get("failed", {}), **bench_groups.get("failed", {})},
+               "bench_comparisons": bench.get("comparisons", []) + bench_groups.get("comparisons", []),
                "bench_skipped_packing_check": "--skip-packing-check" in json.dumps(bench.get("command", "")),
                "trl": trl_report, "logps": _read_json(out / "logps.json"),
+               "profile": _read_json(out / "profile" / "profile.json"),  # the step by category (--profile-steps)
+               "tune": (_read_json(out / "tune" / "tune.json") or {}).get("rows"),  # scripts/gpu_tune.py's table
                "ours_over_trl_pairs_per_s": ours / trl_report["pairs_per_s"]
                if ours and trl_report and trl_report.get("pairs_per_s") else None,
                "environment": matrix.get("torch") and {"torch": matrix.get("torch"), "gpu": matrix.get("gpu"),
@@ -177,6 +185,10 @@ def summarize(out: Path) -> int:
     (out / "acceptance.json").write_text(json.dumps(summary, indent=1))
     lines = ["# GPU acceptance", "", "| stage | exit | seconds |", "|---|---|---|"]
     lines += [f"| {s['stage']} | {s['rc']} | {s['seconds']} |" for s in stages]
+    profile_table = out / "profile" / "profile.md"  # written by the run beside profile.json
+    lines += ["", profile_table.read_text()] if profile_table.is_file() else []
+    tune_table = out / "tune" / "tune.md"
+    lines += ["", "Levers (the train stage per variant):", "", tune_table.read_text()] if tune_table.is_file() else []
     lines += ["", f"Matrix ok: {matrix.get('ok')}; environment: {summary['environment']}", "",
               "| arch | attn | rows | dtype | logps diff | per token | grad diff / scale | ok |", "|---|---|---|---|---|---|---|---|"]
     for r in matrix.get("matrix", []):
@@ -206,6 +218,13 @@ def summarize(out: Path) -> int:
                   f"MFU {_fmt(train['mfu'], '.3f')}, peak memory {train['peak_memory']} MB", ""]
     if summary["bench_unmeasured"]:
         lines += [f"**The bench ended early: not measured {', '.join(summary['bench_unmeasured'])}.**", ""]
+    for name, failure in summary["bench_failed"].items():
+        rerun = failure.get("blocking_rerun") or {}
+        lines += [f"**Bench: {name} failed in round {failure['round']}: {failure['error']}** "
+                  f"(CUDA_LAUNCH_BLOCKING=1: {rerun.get('error', '-')} at {rerun.get('where') or '-'})", ""]
+    lines += [f"- {comparison['name']} ({comparison['numerator']} / {comparison['denominator']}): "
+              f"{_fmt(comparison['speedup'])}x, token ideal {_fmt(comparison['ideal_speedup'])}x"
+              for comparison in summary["bench_comparisons"]] + [""]
     lines += ["| bench configuration | attn | tokens/s | pairs/s | MFU | peak MB |", "|---|---|---|---|---|---|"]
     for name, r in summary["bench"].items():
         lines.append(f"| {name} | {r['attn']} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['pairs_per_s'])} | "

@@ -50,7 +50,7 @@ def step1_eager_means(run, folder: Path) -> tuple[float, float, int]:
     and the longest sequence."""
     setup = run.setup
     plan = next(iter(run_plan(setup.prepared, setup.spec.plan.config, 1)))
-    indices = sorted(i for rows in plan.ranks for row in rows for i in row.pairs)
+    indices = sorted(plan.pairs)
     columns = setup.prepared.dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).to_list()
     model = build_model(str(folder), None, setup.vocab_size, torch.float32, "eager").eval()
     padded = collate_padded([columns[i] for i in indices], indices, setup.pad_token_id)

@@ -32,7 +32,7 @@ def step_gradients(run, rows, plan) -> list[torch.Tensor]:
     """The full gradient of every parameter after the rows' DPO losses (one optimizer step's worth, not applied)."""
     policy = run.policy
     for i, row in enumerate(rows):
-        batch = run.row_batch(row)
+        batch = run.row_batch(row, plan)
         reference = run.reference_logps(batch)
         policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
         losses, _ = pair_losses(run.forward_logps(policy, batch), reference, run.setup.spec.loss)
@@ -75,7 +75,7 @@ def main(out_path: str, flags: list[str]) -> None:
     report["group_weight_decay"] = [group["weight_decay"] for group in policy.optimizer.param_groups]
     before = full_parameters(policy.module)
     lr = policy.get_lr()[0]
-    batch = run.row_batch(rows[0])
+    batch = run.row_batch(rows[0], plan)
     policy.set_gradient_accumulation_boundary(True)
     policy.backward(run.forward_logps(policy, batch).logps.sum() * 0.0, scale_wrt_gas=False)
     policy.step()

@@ -21,7 +21,8 @@ def fingerprint(flags, data_fingerprint: str, layout: ParallelLayout = ONE_RANK)
 def resume(flags, data_fingerprint: str, layout: ParallelLayout = ONE_RANK) -> ResumePoint | None:
     """Phase one's resume point of a run with these flags."""
     return check_resume(assemble.checkpoint_spec(flags), fingerprint(flags, data_fingerprint, layout), layout,
-                        assemble.model_spec(flags, resolve_dtype(flags.dtype, "cpu")), assemble.ref_sync(flags))
+                        assemble.model_spec(flags, resolve_dtype(flags.dtype, "cpu"), "cpu"),
+                        assemble.ref_sync(flags))
 
 
 def schedule(flags, total_steps: int) -> Schedule:
@@ -35,4 +36,4 @@ def ds_config(flags, raw: dict, source: str, dp_size: int, total_steps: int, hid
     sp = flags.sequence_parallel_size
     return fill_ds_config(raw, source, assemble.optimizer_spec(flags), resolve_dtype(flags.dtype, "cpu"),
                           assemble.output_spec(flags), ParallelLayout(world_size=dp_size * sp, sp_size=sp),
-                          hidden_size, "cpu", schedule(flags, total_steps))
+                          hidden_size, "cpu", schedule(flags, total_steps), assemble.zero_spec(flags))

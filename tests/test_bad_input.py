@@ -420,7 +420,8 @@ def test_a_typo_or_an_abbreviation_is_one_line_naming_the_flag(command, no_launc
 
 def test_a_missing_relative_model_folder_is_said_at_once(tmp_path, out_dir, tokenizer_dir, no_launch, capsys,
                                                          monkeypatch):
-    """``--model mymodle`` (a bare name that is no folder here and not in the hub cache) is not tried on the hub."""
+    """``--model mymodle`` (a bare name that is no folder here and not in the hub cache) and ``runs/my-modle`` (an
+    org/name whose org is a folder here) are not tried on the hub."""
     monkeypatch.chdir(tmp_path)
     began = time.perf_counter()
     code = cli.main(["train", *base_flags(tmp_path, out_dir, tokenizer_dir), "--model", "mymodle"])
@@ -430,6 +431,11 @@ def test_a_missing_relative_model_folder_is_said_at_once(tmp_path, out_dir, toke
     assert time.perf_counter() - began < 5
     code = cli.main(["prepare", "--tokenizer", "mytokeniser", "--synthetic-pairs", "4"])
     assert_one_line_error(code, capsys.readouterr().err, "--tokenizer mytokeniser: no such folder (relative to ")
+    (tmp_path / "runs").mkdir()
+    code = cli.main(["train", *base_flags(tmp_path, out_dir, tokenizer_dir), "--model", "runs/my-modle"])
+    assert_one_line_error(code, capsys.readouterr().err,
+                          "--model runs/my-modle: no such folder (runs is a folder here, my-modle is not in it)")
+    assert time.perf_counter() - began < 5
 
 
 @pytest.mark.parametrize("flags, expected", [

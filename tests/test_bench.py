@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,12 +18,14 @@ from ds_packdpo import bench
 from ds_packdpo import cli
 from ds_packdpo.errors import InputError
 from ds_packdpo.config import parse_train_args, to_dict
-from ds_packdpo.data.plan import RowLayout
+from ds_packdpo.data.plan import Row, RowLayout, StepPlan
 from ds_packdpo.model.flops import FlopModel, ThroughputMeter, row_attention_sq, step_flops
 from ds_packdpo.model.build import build_model, tiny_config
 from ds_packdpo.model.lora import LoraSettings, add_adapters
-from ds_packdpo.report import (GROUPS_OFF, PLOTS, REPORT_SCHEMA, RUN_SCHEMA, build_report, check_report, merge_reports,
+from ds_packdpo.comparisons import GROUPS_OFF, short_headline
+from ds_packdpo.report import (PLOTS, REPORT_SCHEMA, RUN_SCHEMA, build_report, check_report, merge_reports,
                                read_report, render_markdown, write_merged)
+from ds_packdpo.report_plots import merged_figure, number_label, rank_load_figure, tokens_per_s_figure
 from ds_packdpo.run.layout import ParallelLayout
 
 from launching import ranks_module, run
@@ -62,7 +66,8 @@ def one_run_report(loss: str, model_flops: float, prepass_flops: float) -> dict:
     """A report of one measured configuration with these FLOPs (the other figures 1)."""
     run_ = {key: 1 for key in RUN_SCHEMA} | {
         "name": "packed", "attn": "sdpa_varlen", "overrides": {}, "step_time_s": {"median": 1.0, "p90": 1.0},
-        "mfu": None, "steps": [], "model_flops": model_flops, "prepass_flops": prepass_flops}
+        "mfu": None, "steps": [], "model_flops": model_flops, "prepass_flops": prepass_flops, "rounds": [],
+        "spread": 0.0}
     settings = {"dtype": "fp32", "loss": loss, "max_length": 64, "row_budget": 256, "global_batch_pairs": 8,
                 "micro_batch_pairs": 2, "ds_config": "zero3", "bench_warmup_steps": 1, "max_steps": 2}
     environment = dict.fromkeys(("device_type", "device_name", "hostname", "torch_threads", "torch", "deepspeed",
@@ -71,6 +76,26 @@ def one_run_report(loss: str, model_flops: float, prepass_flops: float) -> dict:
                            "vocab_size"), 1)
     return build_report("cmd", {"world_size": 1, "dp_size": 1, "sp_size": 1}, "synthetic", model, environment,
                         settings, {"packed": run_})
+
+
+def test_rank_real_tokens_count_pair_sides_where_groups_are_spread():
+    """A step's rank_real_tokens add up to its real tokens when prompt groups are spread over ranks: a pair whose two
+    sides lie on two ranks gives each its side (counted by pair, every rank holding a side would count both)."""
+    from ds_packdpo.data.plan import PlanConfig, iter_plan
+    from ds_packdpo.data.prompt_groups import PairGroups
+
+    first, second = np.triu_indices(6, 1)  # every pair of 6 responses, 3 prompts for 4 ranks: a group is split
+    group = np.repeat(np.arange(3), first.size)
+    prompt = np.full(group.size, 30)
+    response = np.random.default_rng(0).integers(20, 200, (3, 6))
+    chosen, rejected = prompt + response[group, np.tile(first, 3)], prompt + response[group, np.tile(second, 3)]
+    cfg = PlanConfig(max_tokens_per_row=4000, dp_size=4, global_batch_pairs=group.size, layout=RowLayout.PROMPT_GROUPS)
+    plan = next(iter_plan(chosen, rejected, cfg, 1, prompt_lengths=prompt,
+                          groups=PairGroups(group, group * 6 + np.tile(first, 3), group * 6 + np.tile(second, 3))))
+    share = plan.side_rows() // plan.rows_per_rank
+    assert (share[:, 0] != share[:, 1]).any()  # pairs across ranks
+    per_rank = bench.rank_real_tokens(plan, (chosen, rejected))
+    assert len(per_rank) == 4 and sum(per_rank) == int((chosen + rejected).sum())
 
 
 def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
@@ -83,7 +108,7 @@ def test_aot_pre_pass_flops_are_counted_apart_and_the_report_says_so():
     assert not parse_train_args(["--loss", "sft"]).loss_config().needs_policy_prepass  # a token count, no forward
     assert not parse_train_args([]).loss_config().needs_policy_prepass
     model = FlopModel(matmul_params=1000, layers=2, attn_width=8, with_reference=True)
-    plan = SimpleNamespace(ranks=[[SimpleNamespace(pairs=(0, 1))]], rank_computed_tokens=[3 + 4 + 2 + 5])
+    plan = StepPlan(0, 0, (0, 1), ((Row(pairs=(0, 1), tokens=14, computed_tokens=14),),))
     meter = ThroughputMeter(model, [3, 4], [2, 5], RowLayout.PACKED, world_size=1, peak_tflops=None, policy_prepass=True)
     # one policy forward of the step's computed tokens: 2 N T + 4 l d S, S = 3^2 + 4^2 + 2^2 + 5^2
     assert meter.prepass_flops(plan) == 2 * 1000 * 14 + 4 * 2 * 8 * (9 + 16 + 4 + 25)
@@ -122,7 +147,7 @@ def test_a_schema_3_report_still_merges(tmp_path):
     upgraded = check_report(json.loads(json.dumps(old)), "old/report.json")
     assert {run["prepass_flops"] for run in upgraded["runs"].values()} == {None}
     assert "pre-pass whose FLOPs this schema-3 report did not record" in render_markdown(upgraded)
-    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 6"):
+    with pytest.raises(InputError, match="schema_version 2 .this version reads 3 to 8"):
         check_report(json.loads((DOCS / "bench_report.json").read_text()), "docs/bench_report.json")
 
 
@@ -141,19 +166,23 @@ def test_prompt_groups_speedup_is_reported_and_read_from_older_folders():
     assert upgraded["prompt_groups_ideal_speedup"] == pytest.approx(ungrouped["computed_tokens"]
                                                                     / packed["computed_tokens"])
     assert upgraded["prompt_groups_speedup"] > 1
-    assert (f"**prompt groups (packed / {GROUPS_OFF} pairs/s): {upgraded['prompt_groups_speedup']:.3g}**"
-            in render_markdown(upgraded))
+    assert (f"**prompt groups (packed / {GROUPS_OFF} pairs/s): {upgraded['prompt_groups_speedup']:.3g}x**, token "
+            f"ideal {upgraded['prompt_groups_ideal_speedup']:.3g}x" in render_markdown(upgraded))
     fresh = build_report("cmd", {"world_size": 1, "dp_size": 1, "sp_size": 1}, old["dataset"], old["model"],
                          old["environment"], old["settings"], old["runs"])
-    assert fresh["schema_version"] == 6 and fresh["prompt_groups_speedup"] == upgraded["prompt_groups_speedup"]
+    assert fresh["schema_version"] == 8 and fresh["prompt_groups_speedup"] == upgraded["prompt_groups_speedup"]
+    assert upgraded["runs"]["packed"]["lockstep_utilization"] is None  # not recorded before schema 8
+    assert upgraded["runs"]["packed"]["prompt_copy_tokens"] is None
 
 
 def test_a_bench_that_dies_keeps_the_configurations_it_measured(tmp_path, monkeypatch, capsys):
     """A bench that ends early (its padded configuration out of memory, a CUDA fault: the first H200 bench lost all
     its figures so) leaves the report of the configurations it measured, naming the one it died in and those not
-    measured, and that folder merges.  Ranks stood in for: phase one and each configuration's steps are patched."""
-    old = json.loads((DOCS / "bench_prefix_report.json").read_text())
-    measured = {name: dict(run, prepass_flops=0.0) for name, run in old["runs"].items()}
+    measured, and that folder merges; the rank that failed says which configuration, round and error, in the line
+    the front process reads (bench_front.py).  Ranks stood in for: phase one and each round's steps are patched."""
+    old = check_report(json.loads((DOCS / "bench_prefix_report.json").read_text()), "old")
+    measured = {name: dict(run, prepass_flops=0.0, lockstep_utilization=0.9, prompt_copy_tokens=0)
+                for name, run in old["runs"].items()}
     names = [*measured, "padded"]
     layout = SimpleNamespace(rank=0, as_dict=lambda: {"world_size": 1, "dp_size": 1, "sp_size": 1})
     cfg = parse_train_args(["--dtype", "fp32"])
@@ -165,24 +194,27 @@ def test_a_bench_that_dies_keeps_the_configurations_it_measured(tmp_path, monkey
     monkeypatch.setattr(bench, "check_configurations",
                         lambda cfg, settings: bench.BenchPlan(cfg, first, dict.fromkeys(names, "set-up")))
     monkeypatch.setattr(bench, "model_summary", lambda model, setup: old["model"])
-    monkeypatch.setattr(bench, "environment", lambda device: old["environment"])
+    monkeypatch.setattr(bench, "environment", lambda device, threads: old["environment"])
 
     def measure(name, setup, warmup):
         if name not in measured:
             raise RuntimeError("CUDA error: out of memory")
-        return measured[name]
+        return bench.RoundResult(measured[name]["steps"], [0], "rss", [1], None)
 
-    monkeypatch.setattr(bench, "measure_configuration", measure)
+    monkeypatch.setattr(bench, "measure_round", measure)
+    monkeypatch.setattr(bench, "summarize", lambda name, setup, rounds, positions: measured[name])
     out = tmp_path / "bench"
-    settings = bench.BenchSettings(out=str(out), configurations=names)
+    settings = bench.BenchSettings(out=str(out), configurations=names, bench_rounds=1)
     with pytest.raises(RuntimeError, match="out of memory"):
         bench.run_bench(cfg, settings, ["--configurations", ",".join(names)])
-    assert "bench: measuring padded (3 of 3)" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "bench: measuring padded (round 1 of 1, configuration 3 of 3)" in printed.out
+    assert "bench: padded failed in round 1 on rank 0: RuntimeError: CUDA error: out of memory [at " in printed.err
     report = read_report(out)
     assert list(report["runs"]) == list(measured) and report["unmeasured"] == ["padded"]
     assert report["prefix_sharing_speedup"] == pytest.approx(old["prefix_sharing_speedup"])
-    assert ("**Incomplete: the bench ended while measuring `padded`; not measured: padded.**"
-            in (out / "report.md").read_text())
+    assert ("**Incomplete: the bench ended while measuring `padded` in round 1 of 1 (2 of 3 configuration rounds "
+            "measured); not measured at all: padded.**" in (out / "report.md").read_text())
     merged = merge_reports([str(out)])
     assert merged["incomplete"] == {str(out): ["padded"]} and len(merged["entries"]) == 2
     write_merged(merged, tmp_path / "merged")
@@ -235,6 +267,24 @@ def test_a_merged_report_names_each_folders_model_and_dataset_and_says_when_they
     assert merge_reports([str(tmp_path / "schema3"), folder("ipo", other)])["differs_in"] == ["loss"]
 
 
+def schema_table(schema: dict) -> str:
+    """A schema as docs/benchmarks.md tables it: key, type, meaning."""
+    names = {int: "int", float: "number", str: "string", dict: "object", list: "array", bool: "bool",
+             type(None): "null"}
+    rows = ["| key | type | meaning |", "|---|---|---|"]
+    for key, (kind, meaning) in schema.items():
+        kinds = list(dict.fromkeys(names[k] for k in (kind if isinstance(kind, tuple) else (kind,))))
+        kinds = ["number", *kinds[2:]] if kinds[:2] == ["int", "number"] else kinds
+        rows.append(f"| `{key}` | {' or '.join(kinds)} | {meaning.replace('|', chr(92) + '|')} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_the_docs_table_every_report_key():
+    """docs/benchmarks.md's tables of report.json and of a run are the schemas' keys, types and meanings."""
+    text = (DOCS / "benchmarks.md").read_text()
+    assert schema_table(REPORT_SCHEMA) in text and schema_table(RUN_SCHEMA) in text
+
+
 def test_flop_model_counts_every_weight_but_the_input_embedding():
     model = build_model(None, "tiny", 300, torch.float32, "sdpa", seed=0)
     flop_model = FlopModel.of(model, with_reference=False)
@@ -247,7 +297,7 @@ def test_flop_model_counts_every_weight_but_the_input_embedding():
 # ---- one real bench launch ----------------------------------------------------------------------
 
 BENCH_RUN = ["--synthetic-pairs", "48", "--max-length", "64", "--global-batch-pairs", "8", "--micro-batch-pairs", "2",
-             "--max-steps", "2", "--bench-warmup-steps", "1", "--no-progress"]
+             "--max-steps", "2", "--bench-warmup-steps", "1", "--bench-rounds", "1", "--no-progress"]
 
 
 def launch_bench(root, name: str, configurations: str, *flags: str):
@@ -312,7 +362,29 @@ def test_bench_report_is_consistent(bench_folder):
             assert sum(step["rank_tokens"]) == laid_out and sum(step["rank_computed_tokens"]) == step["computed_tokens"]
             assert step["computed_tokens"] >= laid_out and len(step["rank_tokens"]) == 2
         assert run_["rank_load_max_over_mean"] >= 1.0 and len(run_["peak_mem_mb_per_rank"]) == 2
+        assert 0 < run_["lockstep_utilization"] <= 1.0
+        assert run_["prompt_copy_tokens"] == sum(s["prompt_copy_tokens"] for s in steps) >= 0
         assert run_["peak_mem_kind"] == "rss" and 50 < run_["peak_mem_mb"] < 20_000 and run_["mfu"] is None
+        # one round (--bench-rounds 1): its figures are the run's
+        assert len(run_["rounds"]) == 1 and run_["median_round"] == 1 and run_["spread"] == 0
+        assert run_["rounds"][0]["tokens_per_s"] == run_["tokens_per_s"] and run_["rounds"][0]["position"] >= 1
+        assert run_["rounds"][0]["loss"] == [step["loss"] for step in steps]
+        for step in steps:  # the real tokens of each rank's pairs, which rank_load.png draws
+            assert sum(step["rank_real_tokens"]) == step["real_tokens"] and len(step["rank_real_tokens"]) == 2
+    assert report["rounds"] == 1 and report["order"] == [[1, name] for name in report["runs"]]
+    environment = report["environment"]  # the ranks ran in this process's environment, so with its threads
+    assert environment["torch_threads_per_rank"] == [torch.get_num_threads()] * 2 and environment["local_ranks"] == 2
+    assert report["failed"] == {} and report["unmeasured"] == []
+    # every comparison whose two configurations ran, each the ratio of their figures beside its token ideal
+    figures = {entry["name"]: entry for entry in report["comparisons"]}
+    assert list(figures) == ["packing", "prefix sharing", "lean log-probs", "precomputed reference", "LoRA"]
+    for entry in figures.values():
+        top, bottom = report["runs"][entry["numerator"]], report["runs"][entry["denominator"]]
+        assert entry["speedup"] == pytest.approx(top[entry["rate"]] / bottom[entry["rate"]])
+        assert entry["ideal_speedup"] == pytest.approx(bottom["computed_tokens"] / top["computed_tokens"])
+        assert entry["rounds"] == 1 and entry["round_speedup_min"] == pytest.approx(entry["speedup"])
+    assert figures["lean log-probs"]["ideal_speedup"] == 1.0  # the same tokens: the gain is the work per token
+    assert report["prefix_sharing_speedup_over_ideal"] == pytest.approx(figures["prefix sharing"]["speedup_over_ideal"])
     assert report["speedup"] == pytest.approx(packed["tokens_per_s"] / padded["tokens_per_s"])
     assert report["ideal_speedup"] == pytest.approx(padded["computed_tokens"] / packed["computed_tokens"])
     assert report["speedup_over_ideal"] == pytest.approx(report["speedup"] / report["ideal_speedup"])
@@ -328,8 +400,14 @@ def test_bench_report_is_consistent(bench_folder):
         assert run_["model_tflops_per_s"] == pytest.approx(
             run_["model_flops"] / sum(s["step_time_s"] for s in run_["steps"]) / 1e12)
         assert run_["prepass_flops"] == 0 == sum(s["prepass_flops"] for s in run_["steps"])  # sigmoid: no pre-pass
+    assert padded["prompt_copy_tokens"] == 0 == report["runs"]["packed-no-prefix-sharing"]["prompt_copy_tokens"]
     markdown = (bench_folder / "report.md").read_text()
+    assert markdown.split("\n\n")[1].startswith("Speed-ups measured")  # report.md opens with them
+    assert "- **packing (packed / padded tokens/s): " in markdown and "- **LoRA (packed-lora / packed pairs/s): " in markdown
     assert "| packed | sdpa_varlen |" in markdown and "| padded | sdpa_varlen |" in markdown
+    assert "| lock-step | prompt copies |" in markdown
+    oversubscribed = 2 * torch.get_num_threads() > environment["cpu_cores"]
+    assert ("**Oversubscribed: 2 ranks x" in markdown) == oversubscribed
     assert f"{report['speedup']:.3g}" in markdown and "ds_packdpo.bench" in markdown
     assert "2 ranks (2 data-parallel x 1 sequence-parallel)" in markdown
     assert "the same trajectory up to rounding" in markdown
@@ -428,10 +506,72 @@ def test_bench_refuses_a_configuration_the_layout_cannot_run(tmp_path, capsys):
 
 
 @pytest.mark.multirank
-def test_plots_are_png_images(bench_folder):
+def test_plots_draw_the_reports_figures_and_say_what_they_draw(bench_folder, tmp_path):
+    """rank_load.png drew computed tokens under the label "real" and titled uneven bars "utilization 1.00"; a value
+    label of tokens_per_s.png sat under its legend and the computed bars had none.  Each plot is read back here: the
+    bars drawn are report.json's figures (per rank: real tokens summing to the run's real tokens, computed to its
+    computed tokens), the titles' figures are those of the bars, every bar carries its number, no label touches a
+    legend, and the legends say what each series is (no "(2r)")."""
+    report = read_report(bench_folder)
+    runs, names = report["runs"], list(report["runs"])
     for name in PLOTS:
         data = (bench_folder / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+
+    fig = tokens_per_s_figure(report)
+    ax = fig.axes[0]
+    heights = [bar.get_height() for bar in ax.patches]
+    assert heights == pytest.approx([runs[n]["tokens_per_s"] for n in names]
+                                    + [runs[n]["computed_tokens_per_s"] for n in names])
+    assert [text.get_text() for text in ax.texts] == [number_label(height) for height in heights]
+    title = ax.get_title().replace("\n", " ")
+    assert all(short_headline(figures) in title for figures in report["comparisons"]) and report["comparisons"]
+    legend = " ".join(text.get_text() for text in fig.legends[0].get_texts()).replace("\n", " ")
+    assert "real tokens/s: the tokens of the pairs" in legend and "computed tokens/s: the tokens the model ran" in legend
+    assert_labels_clear(fig)
+
+    fig = rank_load_figure(report)
+    for ax, name in zip(fig.axes, names):
+        run_ = runs[name]
+        shares = len(run_["steps"][0]["rank_tokens"])
+        heights = [bar.get_height() for bar in ax.patches]
+        real, not_padding, padding = heights[:shares], heights[shares:2 * shares], heights[2 * shares:]
+        assert len(heights) == 3 * shares and sum(real) == run_["real_tokens"], name
+        assert sum(not_padding) == run_["real_tokens"] - run_["prompt_tokens_shared"], name
+        assert sum(not_padding) + sum(padding) == run_["computed_tokens"], name
+        computed = [a + b for a, b in zip(not_padding, padding)]
+        assert [text.get_text() for text in ax.texts] == [number_label(v) for v in real + computed]
+        utilization, balance = sum(not_padding) / sum(computed), max(computed) / (sum(computed) / shares)
+        assert utilization == pytest.approx(run_["utilization"])
+        assert ax.get_title() == (f"{name}\nutilization {utilization:.3f} (not padding / computed)\ncomputed max/mean "
+                                  f"over ranks {balance:.3f} (worst step {run_['rank_load_max_over_mean']:.3f})")
+    packed = runs["packed"]
+    assert packed["real_tokens"] > packed["computed_tokens"]  # each prompt once: the real bars stand above the others
+    assert_labels_clear(fig)
+
+    other = tmp_path / "other"
+    shutil.copytree(bench_folder, other)
+    fig = merged_figure(merge_reports([str(bench_folder), str(other)]))
+    ax = fig.axes[0]
+    assert [text.get_text() for text in ax.texts] == [number_label(bar.get_height()) for bar in ax.patches]
+    assert all("2 ranks" in label.get_text() and "2r" not in label.get_text() for label in ax.get_xticklabels())
+    assert [text.get_text().replace("\n", " ") for text in fig.legends[0].get_texts()] == [
+        f"{folder} (x86_64, 2 ranks)" for folder in (bench_folder, other)]
+    assert_labels_clear(fig)
+
+
+def assert_labels_clear(fig) -> None:
+    """No number label of a bar overlaps a legend, the axes' title or another label (the renderer's boxes)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legends = [legend.get_window_extent(renderer) for legend in fig.legends]
+    for ax in fig.axes:
+        boxes = [text.get_window_extent(renderer) for text in ax.texts]
+        title = ax.title.get_window_extent(renderer)
+        for i, box in enumerate(boxes):
+            assert not any(box.overlaps(legend) for legend in legends), ax.texts[i].get_text()
+            assert not box.overlaps(title) and ax.bbox.contains(*box.min) and ax.bbox.contains(*box.max)
+            assert not any(box.overlaps(other) for other in boxes[i + 1:]), ax.texts[i].get_text()
 
 
 # ---- schema and merge ---------------------------------------------------------------------------
@@ -467,7 +607,7 @@ def test_merge_of_two_bench_folders(bench_folder, tmp_path):
     assert configurations == 6 and len(entries) == 2 * configurations and entries[(str(other), "packed")]["world_size"] == 4
     assert entries[(str(other), "packed")]["sp_size"] == 1
     assert entries[(str(other), "packed")]["tokens_per_s"] == 2 * entries[(str(bench_folder), "packed")]["tokens_per_s"]
-    assert (out / "report.md").read_text().count("| padded |") == 2
+    assert all((out / "report.md").read_text().count(f"| {folder} | padded |") == 1 for folder in (bench_folder, other))
     assert (out / "tokens_per_s.png").read_bytes()[:4] == b"\x89PNG"
     assert cli.main(["report", str(bench_folder), "--out", str(out)]) == 2  # exists: needs --overwrite
     assert cli.main(["report", str(tmp_path / "nope"), "--out", str(tmp_path / "m2")]) == 2
@@ -479,6 +619,9 @@ def test_merge_of_two_bench_folders(bench_folder, tmp_path):
 def test_bench_flags_fail_before_any_rank_starts(tmp_path, capsys):
     assert cli.main(["bench", "--configurations", "packed,nope", "--out", str(tmp_path / "b")]) == 2
     assert "--configurations: unknown nope" in capsys.readouterr().err
+    assert cli.main(["bench", "--bench-rounds", "0", "--out", str(tmp_path / "b")]) == 2
+    assert "error: --bench-rounds must be in [1, 100], got 0" in capsys.readouterr().err
+    assert bench.parse_bench_args(["--out", str(tmp_path / "b")])[1].bench_rounds == 3  # the default
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     assert cli.main(["bench", "--out", str(tmp_path / "full")]) == 2
@@ -499,6 +642,25 @@ def test_bench_says_each_data_warning_once(tmp_path, capfd):
     plan = bench.check_configurations(cfg, settings, world_size=1)
     assert list(plan.setups) == ["packed", "packed-no-prefix-sharing", "padded"]
     assert capfd.readouterr().err.count("warning: synthetic: truncation (--max-length 64)") == 1
+
+
+def test_bench_says_a_data_quality_warning_once(tmp_path, dpo_demo_rows, demo_tokenizer, dataset_writer):
+    """prepare's data-quality warnings (warnings.warn, not say_warning) were said by the base set-up and again by
+    each configuration's (4 lines on dpo_en_demo: each phase one's warning filter empties Python's record of the
+    warnings shown once); now once."""
+    rows = dpo_demo_rows[:40]
+    path = dataset_writer([*rows, rows[0], rows[1]], "json")
+    demo_tokenizer.save_pretrained(tmp_path / "tokenizer")
+    flags, settings = bench.parse_bench_args(["--dataset", str(path), "--tokenizer", str(tmp_path / "tokenizer"),
+                                              "--max-length", "512", "--global-batch-pairs", "8", "--max-steps", "2",
+                                              "--bench-warmup-steps", "1", "--cache-dir", str(tmp_path / "cache"),
+                                              "--out", str(tmp_path / "b")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own: each warning once per place it is raised from
+        plan = bench.check_configurations(flags, settings, world_size=1)
+    assert list(plan.setups) == ["packed", "packed-no-prefix-sharing", "padded"]
+    said = [str(w.message) for w in caught]
+    assert sum(m.startswith(f"{path}: 2 pairs repeat an earlier pair exactly") for m in said) == 1, said
 
 
 @pytest.mark.parametrize("flags", [["--save-steps", "1"], ["--export-on-end"], ["--resume", "auto"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ import specs
 from ds_packdpo import cli
 from ds_packdpo.run.checkpoint import LATEST, STATE_FILE
 from ds_packdpo.run.manifest import MANIFEST_FILE
+from ds_packdpo.run.process_group import ROLL_CALL_S
 
 COMMON = ["--synthetic-pairs", "48", "--global-batch-pairs", "8", "--max-length", "96", "--lr", "1e-3",
           "--dtype", "fp32", "--no-progress", "--max-steps", "6"]
@@ -168,8 +170,10 @@ def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys, two_rank_run)
     survivor_seconds = time.monotonic() - dead
     log0 = (tmp_path / "node0.log").read_text()
     assert code0 == 5 and survivor_seconds < timeout, (code0, survivor_seconds, log0[-3000:])  # PeerFailureError
-    assert "error: rank 0: a collective failed after step 4: another rank died or stalled longer than " \
-           f"--collective-timeout-s {timeout}; relaunch with --resume auto" in log0
+    # the one line names the dead rank, with the host and pid it left in the rendezvous store (run/process_group.py)
+    assert re.search(r"error: rank 0: a collective failed after step 4: rank 1 \(\S+, pid \d+\) did not answer within "
+                     rf"{ROLL_CALL_S:g} s: it died or stalled longer than --collective-timeout-s {timeout}; relaunch "
+                     "with --resume auto", log0), log0[-3000:]
     assert (killed / "checkpoints" / LATEST).read_text() == "global_step3"
     assert_same_steps(read_metrics(killed / "metrics.jsonl"), reference, range(1, 5))
 
@@ -445,7 +449,7 @@ def test_save_syncs_every_file_before_latest_moves(tmp_path, monkeypatch):
     cfg = parse_train_args(["--output-dir", str(tmp_path / "run"), "--save-steps", "1"])
     tokenizer = SimpleNamespace(save_pretrained=lambda folder: (Path(folder) / "tokenizer.json").write_text("{}"))
     layout = ParallelLayout(world_size=1)
-    spec = SimpleNamespace(layout=layout, checkpoint=checkpoint_spec(cfg), model=model_spec(cfg, "fp32"),
+    spec = SimpleNamespace(layout=layout, checkpoint=checkpoint_spec(cfg), model=model_spec(cfg, "fp32", "cpu"),
                            plan=cfg.plan_spec(layout, cfg.row_layout))
     setup = SimpleNamespace(spec=spec, prepared=SimpleNamespace(fingerprint="data"), plan_fingerprint="plan",
                             tokenizer=tokenizer)
@@ -542,6 +546,34 @@ def test_the_end_of_a_run_meets_its_peers_before_the_group_goes(monkeypatch):
     monkeypatch.setattr(process_group.dist, "barrier", bug)
     with pytest.raises(RuntimeError, match="^something else$"):
         process_group.close_process_group()
+
+
+def test_the_roll_call_names_who_did_not_answer(monkeypatch):
+    """lost_peers in rank 0 of 3 with a rendezvous store here: rank 2 answers, rank 1 does not and is named with what
+    it left at start-up; once every rank answered, no name; in rank 1 with the store's port closed (rank 0's process
+    gone), rank 0 is named."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ds_packdpo.run import process_group
+    from ds_packdpo.run.layout import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(process_group.dist, "get_world_size", lambda: 3)
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda: 0)
+    server.set(f"{process_group.ROLL_CALL}/who/1", "node2, pid 4242")
+    server.set(f"{process_group.ROLL_CALL}/here/2", "")
+    assert process_group.lost_peers() == "rank 1 (node2, pid 4242) did not answer within 2 s: it died or stalled"
+    server.set(f"{process_group.ROLL_CALL}/here/1", "")
+    assert process_group.lost_peers() == "another rank died or stalled"
+    del server
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda: 1)
+    assert process_group.lost_peers() == "rank 0 (on 127.0.0.1, whose rendezvous store is unreachable) died or stalled"
 
 
 def test_a_rank_process_ends_with_its_code_after_the_exit_handlers(tmp_path):

@@ -32,7 +32,7 @@ def model(tmp_path_factory):
 def launches(monkeypatch):
     """The command lines the front process handed to the launcher (none started)."""
     started = []
-    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s: started.append(cmd) or LaunchOutcome(0))
+    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s, on_line=None: started.append(cmd) or LaunchOutcome(0))
     for key in cli.LAUNCHED_ENV:
         monkeypatch.delenv(key, raising=False)
     return started

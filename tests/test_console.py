@@ -47,7 +47,7 @@ def test_the_launch_is_quiet_and_shares_the_cores(monkeypatch):
     """The deepspeed launcher logs errors only, unless --verbose; on CPU each rank gets cores / ranks threads unless
     OMP_NUM_THREADS is set."""
     calls = []
-    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s: calls.append((cmd, env)) or LaunchOutcome(0))
+    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s, on_line=None: calls.append((cmd, env)) or LaunchOutcome(0))
     for key in cli.LAUNCHED_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -43,7 +43,8 @@ FRONT_LAUNCHES = {command for command, _, launches in COMMAND_PARSERS if launche
 RANK_MODULES = {"ds_packdpo.train": "train", "ds_packdpo.evaluate": "eval",
                 "ds_packdpo.precompute_ref": "precompute-ref", "ds_packdpo.bench": "bench"}
 # launch/*.sh -> whether its own launcher options come first, ending at "--" (else every argument is the ranks')
-LAUNCH_SCRIPTS = {"launch/local.sh": False, "launch/multinode.sh": True, "launch/mpirun.sh": True}
+LAUNCH_SCRIPTS = {"launch/local.sh": False, "launch/multinode.sh": True, "launch/mpirun.sh": True,
+                  "launch/slurm.sbatch": False}
 USAGE_OPTIONAL = re.compile(r"\[(--[^\[\]]*)\]")  # [--dtype bf16|fp32]: an optional part, in usage notation
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 SEPARATORS = {"|", "||", "&&", ";", "&"}
@@ -218,10 +219,11 @@ def test_collector_reads_shell_as_the_docs_write_it():
 
 
 # Flags no parser of the project has that the prose names as bare flags, on purpose: the deepspeed launcher's
-# (launch/multinode.sh and launch/mpirun.sh pass them on), mpirun's, scripts/bench_logps.py's, and the abbreviation
+# (launch/multinode.sh and launch/mpirun.sh pass them on) and multinode.sh's own, mpirun's, scripts/bench_logps.py's, and the abbreviation
 # docs/settings.md shows being refused.
 OTHER_FLAGS = {"--hostfile", "--include", "--exclude", "--num_nodes", "--num_gpus", "--master_addr", "--master_port",
                "--no_ssh", "--node_rank", "--launcher", "--ssh_port", "--module",  # deepspeed's launcher
+               "--export",  # launch/multinode.sh's own
                "--allow-run-as-root", "--oversubscribe",  # mpirun's
                "--chunk-tokens",  # scripts/bench_logps.py's
                "--max-len"}  # refused: flags are whole names only

@@ -90,9 +90,9 @@ def test_hub_ids_and_local_paths_are_told_apart(tmp_path):
     assert is_hub_id("Qwen/Qwen2.5-0.5B-Instruct") and is_hub_id("gpt2")
     assert not is_hub_id(str(tmp_path)) and not is_hub_id("./model") and not is_hub_id("a/b/c")
     with pytest.raises(InputError, match="no such folder, and not a hub model id"):
-        model_spec(parse_train_args(["--model", str(tmp_path / "missing")]), "fp32")
+        model_spec(parse_train_args(["--model", str(tmp_path / "missing")]), "fp32", "cpu")
     with pytest.raises(InputError, match="--revision v1: names a revision of a hub --model"):
-        model_spec(parse_train_args(["--revision", "v1"]), "fp32")
+        model_spec(parse_train_args(["--revision", "v1"]), "fp32", "cpu")
 
 
 # ----------------------------------------------------------------------------- the installable package

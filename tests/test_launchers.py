@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -40,16 +41,30 @@ def train_flags(tmp: Path, out: Path, *extra: str) -> list[str]:
 
 # ---------------------------------------------------------------- what the scripts hand to their launcher
 FAKE_TOOLS = {
-    # deepspeed and mpirun only print what they were handed
-    "deepspeed": "print(json.dumps({'argv': sys.argv[1:], 'MASTER_ADDR': os.environ.get('MASTER_ADDR'), "
-                 "'MASTER_PORT': os.environ.get('MASTER_PORT')}))",
+    # deepspeed and mpirun only print what they were handed (deepspeed: and the environment file it would read)
+    "deepspeed": "env_file = os.environ.get('DS_ENV_FILE')\n"
+                 "print(json.dumps({'argv': sys.argv[1:], 'MASTER_ADDR': os.environ.get('MASTER_ADDR'), "
+                 "'MASTER_PORT': os.environ.get('MASTER_PORT'), 'FROM_OPTION': os.environ.get('FROM_OPTION'), "
+                 "'DS_ENV_FILE': env_file, 'env_file': open(env_file).read() if env_file else None}))",
     "mpirun": "print(json.dumps({'argv': sys.argv[1:], 'MASTER_ADDR': os.environ.get('MASTER_ADDR'), "
               "'MASTER_PORT': os.environ.get('MASTER_PORT')}))",
-    # Slurm: the node list is comma-separated host names; srun runs its command once per node, one after the other
-    "scontrol": "assert sys.argv[1:3] == ['show', 'hostnames']; print('\\n'.join(sys.argv[3].split(',')))",
+    # Slurm: the node list is comma-separated host names, node N's address "10.0.0.N" (NodeAddr); `show job` says
+    # whether the job was pre-empted (FAKE_PREEMPTED), `requeue` prints what it would requeue
+    "scontrol": "args = sys.argv[1:]\n"
+                "if args[:2] == ['show', 'hostnames']: print('\\n'.join(args[2].split(',')))\n"
+                "elif args[:2] == ['show', 'node']: print(f'NodeName={args[2]} Arch=x86_64\\n   NodeAddr=10.0.0.'"
+                " f'{args[2][-1]} NodeHostName={args[2]}')\n"
+                "elif args[:2] == ['show', 'job']: print(f'JobId={args[2]}\\n   PreemptEligibleTime=2026-01-01T00:00:00'"
+                " f' PreemptTime={os.environ.get(\"FAKE_PREEMPTED\", \"None\")}')\n"
+                "elif args[0] == 'requeue': print(json.dumps({'requeued': args[1]}))\n"
+                "else: sys.exit(f'scontrol stand-in: {args}')",
+    # srun runs its command once per task (SLURM_NNODES x SLURM_NTASKS_PER_NODE), one after the other, each with the
+    # variables Slurm gives a task; its status is the largest of theirs
     "srun": "cmd = sys.argv[next(i for i, a in enumerate(sys.argv) if i and not a.startswith('--')):]\n"
-            "sys.exit(max(subprocess.call(cmd, env={**os.environ, 'SLURM_NODEID': str(i)})\n"
-            "             for i in range(int(os.environ['SLURM_NNODES']))))",
+            "nodes, per_node = int(os.environ['SLURM_NNODES']), int(os.environ['SLURM_NTASKS_PER_NODE'])\n"
+            "sys.exit(max(subprocess.call(cmd, env={**os.environ, 'SLURM_PROCID': str(task), 'SLURM_LOCALID':"
+            " str(task % per_node), 'SLURM_NODEID': str(task // per_node), 'SLURM_NTASKS': str(nodes * per_node)})\n"
+            "             for task in range(nodes * per_node)))",
 }
 
 
@@ -114,20 +129,73 @@ def test_scripts_pass_user_strings_unchanged(fake_tools, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_slurm_job_runs_one_launcher_per_node(fake_tools, tmp_path):
+def test_slurm_job_runs_one_rank_per_task(fake_tools, tmp_path):
+    """launch/slurm.sbatch: srun starts every rank itself, its rank, local rank and world size those of its task, the
+    rendezvous at the first node's address; a pre-empted job whose ranks stopped (exit 7) requeues itself, any other
+    stop ends the job with the ranks' status."""
+    rank_bin = tmp_path / "rank_bin"  # `python` as srun's tasks run it: prints what it was handed, exits FAKE_EXIT
+    rank_bin.mkdir()
+    (rank_bin / "python").write_text(f"#!{sys.executable}\nimport json, os, sys\nprint(json.dumps({{'argv': sys.argv[1:],"
+                                     " **{k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
+                                     "'MASTER_ADDR', 'MASTER_PORT')}}))\nsys.exit(int(os.environ.get('FAKE_EXIT', 0)))\n")
+    (rank_bin / "python").chmod(0o755)
     user = ["--dataset", "my prefs.json", "--run-name", HOSTILE]
-    proc = fake_tools("slurm.sbatch", *user, SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_ID="123456", SLURM_NNODES="2",
-                      SLURM_JOB_NODELIST="gpu-a,gpu-b", SLURM_GPUS_ON_NODE="4", HOSTFILE=str(tmp_path / "hosts"))
-    assert proc.returncode == 0, proc.stderr
-    nodes = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert (tmp_path / "hosts").read_text() == "gpu-a slots=4\ngpu-b slots=4\n"
-    for rank, node in enumerate(nodes):
-        assert node["argv"] == ["--hostfile", str(tmp_path / "hosts"), "--master_port", "23456", "--master_addr",
-                                "gpu-a", "--no_ssh", "--node_rank", str(rank), "--module", "ds_packdpo.train", *user]
-    assert len(nodes) == 2 and not (tmp_path / "pwned").exists()
+    job = {"SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "123456", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "2",
+           "SLURM_JOB_NODELIST": "gpu-1,gpu-2",
+           "PATH": os.pathsep.join((str(rank_bin), str(tmp_path / "bin"), cpu_env()["PATH"]))}  # then the stand-ins
+
+    def submit(**env: str) -> tuple[int, list[dict]]:
+        proc = fake_tools("slurm.sbatch", *user, **job, **env)
+        assert proc.returncode in (0, 7), proc.stderr
+        return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()]
+
+    code, printed = submit()
+    assert code == 0 and len(printed) == 4
+    for rank, handed_to in enumerate(printed):
+        assert handed_to == {"argv": ["-u", "-m", "ds_packdpo.train", *user], "RANK": str(rank),
+                             "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
+                             "MASTER_PORT": "23456"}
+    assert not (tmp_path / "pwned").exists()
+
+    code, printed = submit(FAKE_EXIT="7")  # stopped by a signal, not pre-empted: the job ends with the ranks' 7
+    assert code == 7 and len(printed) == 4
+    code, printed = submit(FAKE_EXIT="7", FAKE_PREEMPTED="2026-01-01T00:00:09")  # pre-empted: requeued, then 7
+    assert code == 7 and printed[4:] == [{"requeued": "123456"}]
+    code, printed = submit(FAKE_PREEMPTED="2026-01-01T00:00:09")  # pre-empted after the last step: done, no requeue
+    assert code == 0 and len(printed) == 4
+
+
+def test_multinode_hands_the_job_environment_to_other_nodes(fake_tools, tmp_path):
+    """launch/multinode.sh with ssh: DeepSpeed's environment file holds what the ranks on other nodes need of this
+    shell, then the user's .deepspeed_env files (home, then here: DeepSpeed's order), then --export, and nothing of it
+    is left on disk; with --no_ssh each node's launcher passes its own environment, --export included."""
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    (home / ".deepspeed_env").write_text("FROM_HOME=1\nSHARED=home")  # no newline at its end
+    (tmp_path / ".deepspeed_env").write_text("SHARED=here\n")
+    (tmp_path / "hosts").write_text("node1 slots=1\nnode2 slots=1\n")
+    env = {"HOME": str(home), "TMPDIR": str(tmp), "EXISTING": "from this shell", "HF_HOME": "/data/hf",
+           "LD_LIBRARY_PATH": "", "TORCH_EXTENSIONS_DIR": "/venv/ext"}
+    got = handed(fake_tools("multinode.sh", "--hostfile", "hosts", "--export", "FROM_OPTION=two words", "--export",
+                            "EXISTING", "--", "--max-steps", "1", **env))
+    assert got["argv"][-4:] == ["--module", "ds_packdpo.train", "--max-steps", "1"]
+    assert re.fullmatch(r"/dev/fd/\d+", got["DS_ENV_FILE"]) and not list(tmp.iterdir())  # read, then gone
+    path = cpu_env()["PATH"]
+    assert got["env_file"] == (f"PATH={tmp_path / 'bin'}{os.pathsep}{path}\nDS_ACCELERATOR=cpu\nHF_HOME=/data/hf\n"
+                               "TORCH_EXTENSIONS_DIR=/venv/ext\nFROM_HOME=1\nSHARED=home\nSHARED=here\n"
+                               "FROM_OPTION=two words\nEXISTING=from this shell\n")
+    assert got["FROM_OPTION"] == "two words"  # this node's ranks too
+
+    got = handed(fake_tools("multinode.sh", "--hostfile", "hosts", "--no_ssh", "--node_rank", "1", "--master_addr",
+                            "node1", "--export", "FROM_OPTION=x", **env))
+    assert got["DS_ENV_FILE"] is None and got["FROM_OPTION"] == "x"
 
 
 @pytest.mark.parametrize("script, args, message", [
+    ("multinode.sh", ["--hostfile", "HOSTS", "--export", "A=$(touch pwned)"], "the other nodes' shell would expand"),
+    ("multinode.sh", ["--hostfile", "HOSTS", "--export", "NOT_SET_ANYWHERE"], "not set in this shell"),
+    ("multinode.sh", ["--hostfile", "HOSTS", "--export", "1A=x"], "'1A' is not a variable name"),
     ("multinode.sh", ["--", "--max-steps", "1"], "--hostfile (or HOSTFILE) is required"),
     ("multinode.sh", ["--hostfile", "HOSTS", "--no_ssh", "--master_addr", "n1"], "--no_ssh needs --node_rank"),
     ("multinode.sh", ["--hostfile", "HOSTS", "--no_ssh", "--node_rank", "0"], "--no_ssh needs --master_addr"),
@@ -144,7 +212,7 @@ def test_scripts_refuse_incomplete_settings(fake_tools, tmp_path, script, args, 
 def test_train_outside_a_launcher_picks_a_free_port(monkeypatch):
     """`ds-packdpo train` starts the deepspeed launcher itself: on a free port unless told one."""
     commands = []
-    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s: commands.append(cmd) or LaunchOutcome(0))
+    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s, on_line=None: commands.append(cmd) or LaunchOutcome(0))
     for key in cli.LAUNCHED_ENV:
         monkeypatch.delenv(key, raising=False)
     assert cli.main(["train", "--max-steps", "1"]) == 0

@@ -247,7 +247,8 @@ def test_multi_response_demo_counts_through_prepare(tmp_path, tokenizer_dir, cap
 
 
 def test_phase_one_plans_every_pair_of_the_demo_once(tmp_path, tokenizer_dir):
-    """train's phase one on the demo with --pairs-from all on 2 ranks: 693 pairs, each planned exactly once."""
+    """train's phase one on the demo with --pairs-from all on 2 ranks: 693 pairs, each planned exactly once, both its
+    responses computed by the rows."""
 
     setup = prepare(parse_train_args(["--dataset", str(MULTI_DEMO_PATH), "--pairs-from", "all", "--tokenizer",
                                       str(tokenizer_dir), "--cache-dir", str(tmp_path / "cache"), "--output-dir",
@@ -255,9 +256,9 @@ def test_phase_one_plans_every_pair_of_the_demo_once(tmp_path, tokenizer_dir):
                     world_size=2)
     assert len(setup.prepared.chosen_lengths) == 693
     assert setup.prepared.summary["multi_response"]["pairs_made"] == 693
-    planned = [pair for step in run_plan(setup.prepared, setup.spec.plan.config, 1)
-               for rows in step.ranks for row in rows for pair in row.pairs]
-    assert sorted(planned) == list(range(693))
+    steps = list(run_plan(setup.prepared, setup.spec.plan.config, 1))
+    assert sorted(pair for step in steps for pair in step.pairs) == list(range(693))
+    assert all((step.side_rows() >= 0).all() for step in steps)  # the rows compute both sides of every pair
 
 
 def test_synthetic_multi_response_rows(demo_tokenizer, cache_dir):

@@ -177,7 +177,7 @@ def test_the_front_process_exit_code_after_a_stop(tmp_path, capsys):
 def test_the_launchers_error_line_of_a_clean_stop_alone_is_dropped(capsys):
     """The launcher's output through the front process: its error line for a rank's exit 7 (a clean stop, said by
     rank 0) is dropped; any other code's, and every other line, pass."""
-    from ds_packdpo.run.launch_group import pass_stdout
+    from ds_packdpo.run.launch_group import _pass_through
 
     error = "[2026-12-06 21:04:55,123] [ERROR] [launch.py:{}:sigkill_handler] ['python', '-u', '-m', " \
             "'ds_packdpo.train', '--local_rank=1'] exits with return code = {}\n"
@@ -186,5 +186,5 @@ def test_the_launchers_error_line_of_a_clean_stop_alone_is_dropped(capsys):
     read, write = os.pipe()
     os.write(write, "".join(lines).encode())
     os.close(write)
-    pass_stdout(os.fdopen(read, "rb"))
+    _pass_through(os.fdopen(read), sys.stdout, None)
     assert capsys.readouterr().out == "".join(lines[:1] + lines[2:])

@@ -127,7 +127,8 @@ def test_the_flags_reach_the_run_forwards_and_the_loss(tmp_path):
         setup = prepare(parse_train_args([*flags, *extra]), "train", world_size=1)
         model = build_model(None, "tiny", setup.vocab_size, torch.float32, setup.spec.attention.model_attn, seed=0)
         run = Run(setup, policy=model, reference=model, sequence_parallel=None)
-        batch = run.row_batch(next(iter(run_plan(setup.prepared, setup.spec.plan.config, epochs=1))).ranks[0][0])
+        plan = next(iter(run_plan(setup.prepared, setup.spec.plan.config, epochs=1)))
+        batch = run.row_batch(plan.ranks[0][0], plan)
         policy, reference = run.forward_logps(model, batch), run.reference_logps(batch)
         results[name] = policy, reference, pair_losses(policy, reference, setup.spec.loss)[0]
     plain, ld, wpo = results["plain"], results["ld"], results["wpo"]

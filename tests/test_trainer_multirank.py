@@ -30,7 +30,9 @@ def test_trajectory_independent_of_layout(tmp_path):
     (--no-prefix-sharing); the packed layouts share each pair's prompt (the default), the padded one cannot."""
     reference = launch(tmp_path, "w1_packed", 1, "--max-tokens-per-row", "1024", "--no-prefix-sharing", *HELD_OUT)
     layouts = {
-        "w2_packed": launch(tmp_path, "w2_packed", 2, "--max-tokens-per-row", "1024", *HELD_OUT),
+        # --profile-steps: step 2 under torch.profiler (the trajectory stays the reference's: checked below)
+        "w2_packed": launch(tmp_path, "w2_packed", 2, "--max-tokens-per-row", "1024", "--profile-steps", "1",
+                            *HELD_OUT),
         "w2_small_rows": launch(tmp_path, "w2_small", 2, "--max-tokens-per-row", "200", *HELD_OUT),
         "w2_padded": launch(tmp_path, "w2_padded", 2, "--no-packing", "--micro-batch-pairs", "2", *HELD_OUT),
         # Sequence parallelism: one group of 2 ranks shares every row of 2 x 100 tokens; most pairs need more
@@ -47,6 +49,11 @@ def test_trajectory_independent_of_layout(tmp_path):
     assert (summary["pairs"], summary["steps"], summary["eval_pairs"], summary["eval_steps"]) == (36, 3, 12, 2)
     assert ["eval_loss" in r for r in reference] == [False, True, True]  # every 2 steps and after the last
     assert reference[1]["eval_pairs"] == 12 and reference[-1]["eval_loss"] < reference[1]["eval_loss"]
+    assert not (tmp_path / "w1_packed" / "profile.json").exists()
+    profiled = json.loads((tmp_path / "w2_packed" / "profile.json").read_text())
+    assert (profiled["device"], profiled["steps"], profiled["profiled_steps"]) == ("cpu", 1, [2, 2])
+    shares = {row["category"]: row["share"] for row in profiled["categories"]}
+    assert shares["zero3_gather"] > 0 and shares["reduce_scatter"] > 0 and shares["gemm"] > 0  # ZeRO-3 on 2 ranks
     largest = 0.0
     for name, records in layouts.items():
         for ref, got in zip(reference, records, strict=True):

@@ -66,11 +66,23 @@ CASES = {
                      {"global_batch_pairs": 8}, None),
     "micro batch": (["--micro-batch-pairs", "2"], {"train_micro_batch_size_per_gpu": 2}, ["--micro-batch-pairs", "3"],
                     {"micro_batch_pairs": 2}, None),
+    # ZeRO's communication (run/engines.ZeroSpec): a config that leaves a key out gets the flag's value
+    **{f"zero {key}": ([f"--{flag}", "200000000"], {"zero_optimization": {"stage": 3, key: 2e8}},
+                       [f"--{flag}", "1000"], {flag.replace("-", "_"): 200_000_000},
+                       lambda ds, key=key: ds["zero_optimization"][key])
+       for key, flag in (("stage3_prefetch_bucket_size", "zero-prefetch-bucket-size"),
+                         ("stage3_param_persistence_threshold", "zero-param-persistence-threshold"),
+                         ("reduce_bucket_size", "zero-reduce-bucket-size"))},
+    "zero overlap_comm": (["--no-zero-overlap-comm"], {"zero_optimization": {"stage": 3, "overlap_comm": False}},
+                          ["--zero-overlap-comm"], {"zero_overlap_comm": False},
+                          lambda ds: ds["zero_optimization"]["overlap_comm"]),
 }
 # What DeepSpeed is handed, per case (the batch keys: one planned row per forward, whatever the pairs).
 EXPECTED_IN_DS = {"optimizer type": "SGD", "lr": (1e-4, 1e-4), "betas": [0.8, 0.9], "eps": 1e-6,
                   "weight decay": 0.05, "gradient clipping": 0.5, "scheduler type": "WarmupCosineLR", "warm-up": 3,
-                  "peak of the schedule": 2e-4, "floor of the schedule": (0.1, 0.1), "precision": True}
+                  "peak of the schedule": 2e-4, "floor of the schedule": (0.1, 0.1), "precision": True,
+                  "zero stage3_prefetch_bucket_size": 200_000_000, "zero stage3_param_persistence_threshold": 200_000_000,
+                  "zero reduce_bucket_size": 200_000_000, "zero overlap_comm": False}
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
@@ -93,7 +105,8 @@ def test_a_value_written_differently_twice_is_one_error_naming_both(case):
     with pytest.raises(InputError) as error:
         resolve(other, ds)
     message = str(error.value)
-    assert "\n" not in message and "ds.json" in message and other[-2] in message, message
+    named = other[-2] if len(other) > 1 else other[0]  # a value's flag, or a boolean's spelling
+    assert "\n" not in message and "ds.json" in message and named in message, message
 
 
 def test_a_default_never_contradicts_the_file():
@@ -110,6 +123,27 @@ def test_a_default_never_contradicts_the_file():
     # the issue's command: --lr 1e-3 against the file's 1e-4 is refused, not trained at 1e-4
     with pytest.raises(InputError, match=r"'optimizer.params.lr': 0.0001 and --lr 0.001 differ"):
         resolve(["--lr", "1e-3", "--lr-scheduler", "constant"], {"optimizer": {"params": {"lr": 1e-4}}})
+
+
+def test_zero_settings_default_to_the_hidden_size_rule_and_the_builtin_configs_auto():
+    """Without --zero-* flags the built-in config's "auto" buckets follow the hidden size and overlap_comm is on;
+    the built-in configs write "auto" (not a value of the user's), so --no-zero-overlap-comm is taken, not refused;
+    a config's value of the wrong kind is one line."""
+    builtin = {"zero_optimization": {"stage": 3, "overlap_comm": "auto", "reduce_bucket_size": "auto",
+                                     "stage3_prefetch_bucket_size": "auto",
+                                     "stage3_param_persistence_threshold": "auto"}}
+    _, filled = resolve([], builtin)
+    zero = filled["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"],
+            zero["overlap_comm"]) == (64 * 64, int(0.9 * 64 * 64), 640, True)
+    _, filled = resolve(["--no-zero-overlap-comm", "--zero-param-persistence-threshold", "0"], builtin)
+    assert filled["zero_optimization"]["overlap_comm"] is False
+    assert filled["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    for value, message in (("yes", "'zero_optimization.overlap_comm' must be true, false"),
+                           (1.5, "'zero_optimization.reduce_bucket_size' must be a whole number >= 0")):
+        key = "overlap_comm" if value == "yes" else "reduce_bucket_size"
+        with pytest.raises(InputError, match=message):
+            resolve([], {"zero_optimization": {"stage": 3, key: value}})
 
 
 def test_accumulation_steps_count_pairs():

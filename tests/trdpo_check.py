@@ -60,7 +60,7 @@ def main(out_path: str, flags: list[str]) -> None:
     report["alpha1_weights_equal"] = all(torch.equal(a, b) for a, b in zip(full_parameters(reference).values(),
                                                                            full_parameters(policy).values()))
     plan = next(run_plan(setup.prepared, setup.spec.plan.config, 1))
-    batch = run.row_batch(plan.ranks[setup.spec.layout.dp_rank][0])
+    batch = run.row_batch(plan.ranks[setup.spec.layout.dp_rank][0], plan)
     with torch.no_grad():
         ref_logps = run.reference_logps(batch).logps
         pol_logps = run.forward_logps(run.policy, batch).logps

@@ -32,7 +32,11 @@ looks its function up by it).  With prefix sharing (packed rows hold each pair a
 ``[prompt | chosen | rejected]``) a pair takes P + C + R tokens of its row and attention
 term (P + C)^2 + R (P + R) (:func:`pair_tokens`, :func:`pair_attention_sq`); with prompt
 groups a row holds each prompt group's prompt and responses once; the steps' pairs
-(layer 1) are the same in every layout.
+(layer 1) are the same in every layout.  In the prompt-groups layout a step whose prompts
+repeat takes layers 2-3 from ``data/response_spread.py``: its distinct responses are the
+items, spread over the ranks within row slots, each prompt copied per row holding one of
+them; the step's rows are then in the spread-responses layout (``StepPlan.responses``,
+``StepPlan.row_layout``).
 
 Planning a step looks at that step's pairs only, so resuming from (epoch, step) is
 skipping.  numpy only: no torch, nothing distributed.
@@ -46,7 +50,7 @@ import json
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 from pathlib import Path
 
@@ -55,7 +59,8 @@ import numpy as np
 from ..console import say_warning
 from ..errors import InputError
 from ..files import atomic_write
-from .prompt_groups import PairGroups, group_permutation, group_units
+from .prompt_groups import PairGroups, group_permutation
+from .response_spread import StepResponses, spread_step, step_responses
 
 
 class RowLayout(enum.Enum):
@@ -66,6 +71,10 @@ class RowLayout(enum.Enum):
     PACKED = "packed"  # pairs concatenated padding-free under the row budget, every sequence whole
     PREFIX_SHARED = "prefix-shared"  # packed, each pair [prompt | chosen | rejected]: its prompt once
     PROMPT_GROUPS = "prompt-groups"  # prefix-shared, the pairs of a row with one prompt as [prompt | r1 | ... | rk]
+    # A step's layout, never a run's: the prompt-groups layout's steps whose prompts repeat, their responses the unit
+    # spread over ranks (data/response_spread.py); a row holds responses, each prompt once per row holding one of them,
+    # and a pair's sides may sit on different ranks (their sums exchanged, run/response_exchange.py).
+    SPREAD_RESPONSES = "spread-responses"
 
     @classmethod
     def of(cls, packing: bool, prefix_sharing: bool, prompt_groups: bool) -> RowLayout:
@@ -83,11 +92,16 @@ class RowLayout(enum.Enum):
     @property
     def shares_prefixes(self) -> bool:
         """Each prompt once per pair or group (the lengths functions then need the prompt lengths)."""
-        return self in (RowLayout.PREFIX_SHARED, RowLayout.PROMPT_GROUPS)
+        return self in (RowLayout.PREFIX_SHARED, RowLayout.PROMPT_GROUPS, RowLayout.SPREAD_RESPONSES)
 
     @property
     def groups_prompts(self) -> bool:
-        return self is RowLayout.PROMPT_GROUPS
+        return self in (RowLayout.PROMPT_GROUPS, RowLayout.SPREAD_RESPONSES)
+
+    @property
+    def spreads_responses(self) -> bool:
+        """A row holds responses, not whole pairs (``Row.responses``, ``StepPlan.responses``)."""
+        return self is RowLayout.SPREAD_RESPONSES
 
 
 @dataclass(frozen=True)
@@ -104,12 +118,15 @@ class PlanConfig:
 
 
 class Row(NamedTuple):  # immutable like a frozen dataclass, built ~2x faster (a plan makes ~10^6 of them)
-    pairs: tuple[int, ...]  # positional pair indices; () = dummy row
-    tokens: int  # real tokens the row holds: both sequences of every pair (each prompt once with prefix sharing)
+    pairs: tuple[int, ...]  # positional pair indices; () = dummy row.  Prompt groups: the pairs it holds a side of
+    tokens: int  # real tokens the row holds: both sequences of every pair (each prompt once with prefix sharing;
+    #              prompt groups: each of its prompts once and each of its responses once)
     computed_tokens: int  # packed: tokens; padded: 2 * len(pairs) * longest sequence; dummy: 1
+    responses: tuple[int, ...] = ()  # prompt groups: the step's responses it computes (StepPlan.responses)
 
 
-DUMMY_ROW = Row(pairs=(), tokens=0, computed_tokens=1)
+DUMMY_ROW = Row(pairs=(), tokens=0, computed_tokens=1, responses=())
+SIDES = ("chosen", "rejected")
 _new_row = tuple.__new__  # Row's own __new__ minus a Python call frame: the planner builds ~10^6 rows
 
 
@@ -119,6 +136,10 @@ class StepPlan:
     step: int  # index of the step within its epoch
     pairs: tuple[int, ...]  # every pair of the step, in composition order
     ranks: tuple[tuple[Row, ...], ...]  # ranks[r] = the rows rank r runs; same length for every r
+    # Prompt groups (data/response_spread.py): the step's responses, which its rows compute and whose sums every
+    # rank exchanges after each row slot; the prompt tokens computed beyond one copy per prompt group of the step.
+    responses: StepResponses | None = field(default=None, compare=False)
+    prompt_copy_tokens: int = 0
 
     @property
     def num_pairs(self) -> int:
@@ -135,6 +156,25 @@ class StepPlan:
     @property
     def rank_computed_tokens(self) -> tuple[int, ...]:
         return tuple(sum([row.computed_tokens for row in rows]) for rows in self.ranks)
+
+    def row_layout(self, run_layout: RowLayout) -> RowLayout:
+        """The layout of this step's rows in a run of ``run_layout``: spread responses where the plan spread them."""
+        return RowLayout.SPREAD_RESPONSES if self.responses is not None else run_layout
+
+    def side_rows(self) -> np.ndarray:
+        """[N, 2] the row (``rank * rows_per_rank + index``) computing each pair's chosen and rejected, pairs in
+        ``self.pairs`` order; -1 where no row does.  A pair's two sides share a row, or with prompt groups a slot."""
+        found = np.full((self.num_pairs, 2), -1, dtype=np.int64)
+        flat = [row for rows in self.ranks for row in rows]
+        if self.responses is not None:
+            row_of_response = np.full(self.responses.count, -1, dtype=np.int64)
+            for index, row in enumerate(flat):
+                row_of_response[list(row.responses)] = index
+            return row_of_response[self.responses.pair_sides]
+        position = {pair: k for k, pair in enumerate(self.pairs)}
+        for index, row in enumerate(flat):
+            found[[position[pair] for pair in row.pairs]] = index
+        return found
 
 
 # ----------------------------------------------------------------------------- validation
@@ -475,22 +515,29 @@ def _aligned_rows(order: np.ndarray, tokens: np.ndarray, cost: np.ndarray, world
     return row if row_tokens.max() <= budget else None
 
 
+def _deal_slots(blocks: np.ndarray, row_cost: np.ndarray, world: int) -> np.ndarray:
+    """Rank of each row: ``blocks[i]`` are the ``world`` rows of slot i (rank order: slot order), each slot's
+    heaviest row to the rank with the least so far (rank balance)."""
+    rank_of_row = np.empty(row_cost.size, dtype=np.int64)
+    rank_load = np.zeros(world)
+    for slot_rows in blocks:
+        slot_rows = slot_rows[np.argsort(-row_cost[slot_rows], kind="stable")]
+        ranks = np.argsort(rank_load, kind="stable")
+        rank_of_row[slot_rows] = ranks
+        rank_load[ranks] += row_cost[slot_rows]
+    return rank_of_row
+
+
 def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
-                  cfg: PlanConfig, groups: PairGroups | None = None) -> list[list[Row]]:
+                  cfg: PlanConfig) -> list[list[Row]]:
     """Fewest slots R such that the pairs fit world x R rows, rows of near-equal cost, R rows dealt to each rank so
     that slot i holds near-equal rows everywhere: rows sorted by cost, slot i = the i-th block of ``world``, its
     heaviest row to the rank with the least so far (rank balance)."""
     world, budget = cfg.dp_size, cfg.max_tokens_per_row
-    units = None  # the items placed: pairs, or with prompt groups the step's (sub-)groups
-    if (groups is not None and cfg.layout.groups_prompts
-            and np.unique(groups.group[step_pairs]).size < step_pairs.size):  # else the pairs' own plan, as today
-        units, tokens, attention = group_units(step_pairs, groups, chosen, rejected, prompt, budget)
-    else:
-        c, r = chosen[step_pairs], rejected[step_pairs]
-        p = None if prompt is None else prompt[step_pairs]
-        tokens = pair_tokens(c, r, p, cfg.layout.shares_prefixes)
-        attention = pair_attention_sq(c, r, p, cfg.layout.shares_prefixes)
-    cost = tokens + cfg.attention_weight * attention.astype(np.float64)
+    c, r = chosen[step_pairs], rejected[step_pairs]
+    p = None if prompt is None else prompt[step_pairs]
+    tokens = pair_tokens(c, r, p, cfg.layout.shares_prefixes)
+    cost = tokens + cfg.attention_weight * pair_attention_sq(c, r, p, cfg.layout.shares_prefixes).astype(np.float64)
     heaviest_first = np.argsort(-cost, kind="stable")
     slots = _slot_count_floor(tokens, world, budget)
     while (row := _aligned_rows(heaviest_first, tokens, cost, world, slots, budget)) is None:
@@ -498,29 +545,73 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
     count = world * slots
     row_cost = np.bincount(row, weights=cost, minlength=count)
     row_tokens = np.bincount(row, weights=tokens, minlength=count).astype(np.int64)
-    by_cost = np.argsort(-row_cost, kind="stable").reshape(slots, world)
-    rank_of_row = np.empty(count, dtype=np.int64)
-    rank_load = np.zeros(world)
-    for slot_rows in by_cost:
-        ranks = np.argsort(rank_load, kind="stable")
-        rank_of_row[slot_rows] = ranks
-        rank_load[ranks] += row_cost[slot_rows]
+    rank_of_row = _deal_slots(np.argsort(-row_cost, kind="stable").reshape(slots, world), row_cost, world)
     # pairs grouped by row (heaviest pair first); rows built rank by rank, each rank's by tokens descending
     by_row = heaviest_first[np.argsort(row[heaviest_first], kind="stable")]
-    if units is None:
-        pair_ids = tuple(step_pairs[by_row].tolist())
-        sizes = np.bincount(row, minlength=count)
-    else:
-        pair_ids = tuple(np.concatenate([units[i] for i in by_row]).tolist())
-        sizes = np.bincount(row, weights=[units[i].size for i in range(len(units))], minlength=count).astype(np.int64)
+    pair_ids = tuple(step_pairs[by_row].tolist())
+    sizes = np.bincount(row, minlength=count)
     final = np.lexsort((-row_tokens, rank_of_row))
-    built = [_new_row(Row, (pair_ids[end - size:end], t, t)) if size else DUMMY_ROW
+    built = [_new_row(Row, (pair_ids[end - size:end], t, t, ())) if size else DUMMY_ROW
              for end, size, t in zip(np.cumsum(sizes)[final].tolist(), sizes[final].tolist(), row_tokens[final].tolist())]
     return [built[i:i + slots] for i in range(0, count, slots)]
 
 
+def _spreads_groups(step_pairs: np.ndarray, cfg: PlanConfig, groups: PairGroups | None) -> bool:
+    """The step is laid out by response (data/response_spread.py): prompt groups are on and a prompt repeats in it
+    (else its pairs' own plan, exactly the plan without groups)."""
+    return (groups is not None and cfg.layout.groups_prompts
+            and np.unique(groups.group[step_pairs]).size < step_pairs.size)
+
+
+def _spread_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray,
+                  cfg: PlanConfig, groups: PairGroups) -> tuple[list[list[Row]], StepResponses, int]:
+    """(rows of each rank, the step's responses, prompt tokens copied) with the responses of the step's prompt groups
+    spread over world x R rows (:func:`spread_step`); slots heaviest first, dealt to ranks as :func:`_packed_ranks`
+    does.  A group over 3/4 of a slot's tokens is cut into runs of whole pairs first; where a unit still cannot be
+    spread alone, smaller (at one row's budget every unit fits a row whole)."""
+    world, budget = cfg.dp_size, cfg.max_tokens_per_row
+    cap = budget if world == 1 else max(budget, world * budget * 3 // 4)
+    while (spread := spread_step(responses := step_responses(step_pairs, groups, chosen, rejected, prompt, cap),
+                                 world, budget, cfg.attention_weight)) is None:
+        cap = max(budget, cap // 2)
+    row, slots = spread
+    count, units = world * slots, int(responses.unit.max()) + 1
+    unit_prompt = np.zeros(units, dtype=np.int64)
+    unit_prompt[responses.unit] = responses.prompt
+    held_unit, held_row = np.divmod(np.unique(responses.unit * count + row), count)  # each prompt copy
+    row_tokens = (np.bincount(row, weights=responses.length, minlength=count)
+                  + np.bincount(held_row, weights=unit_prompt[held_unit], minlength=count)).astype(np.int64)
+    row_cost = row_tokens + cfg.attention_weight * (
+        np.bincount(row, weights=responses.length * (responses.prompt + responses.length), minlength=count)
+        + np.bincount(held_row, weights=unit_prompt[held_unit] ** 2.0, minlength=count))
+    blocks = np.arange(count).reshape(slots, world)
+    blocks = blocks[np.argsort(-row_cost[blocks].max(axis=1), kind="stable")]  # heaviest slot first: peak memory
+    position = np.empty(count, dtype=np.int64)
+    position[blocks] = np.arange(slots)[:, None]
+    final = np.lexsort((position, _deal_slots(blocks, row_cost, world)))
+    by_row = np.lexsort((np.arange(responses.count), responses.unit, row))  # each row's responses unit by unit
+    response_ids = by_row.tolist()
+    sizes = np.bincount(row, minlength=count)
+    ends = np.cumsum(sizes)
+    sides = row[responses.pair_sides]  # [N, 2] the row of each pair's chosen and rejected
+    touching = np.concatenate([np.arange(sides.shape[0]), np.flatnonzero(sides[:, 1] != sides[:, 0])])
+    touched_row = np.concatenate([sides[:, 0], sides[touching[sides.shape[0]:], 1]])
+    by_pair_row = np.lexsort((touching, touched_row))
+    pair_ids = step_pairs[touching[by_pair_row]].tolist()
+    pair_ends = np.cumsum(np.bincount(touched_row, minlength=count))
+    pair_sizes = np.bincount(touched_row, minlength=count)
+    built = [_new_row(Row, (tuple(pair_ids[pe - ps:pe]), t, t, tuple(response_ids[end - size:end]))) if size
+             else DUMMY_ROW
+             for end, size, pe, ps, t in zip(ends[final].tolist(), sizes[final].tolist(), pair_ends[final].tolist(),
+                                             pair_sizes[final].tolist(), row_tokens[final].tolist())]
+    group_of_pair = groups.group[step_pairs]
+    _, first = np.unique(group_of_pair, return_index=True)
+    copies = int(unit_prompt[held_unit].sum() - prompt[step_pairs[first]].sum())
+    return [built[i:i + slots] for i in range(0, count, slots)], responses, copies
+
+
 def _padded_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
-                  cfg: PlanConfig, groups: PairGroups | None = None) -> list[list[Row]]:
+                  cfg: PlanConfig) -> list[list[Row]]:
     """The baseline layout of TRL/OpenRLHF: pairs dealt by count like a DistributedSampler, micro-batches in order."""
     ranks = []
     for rank in range(cfg.dp_size):
@@ -538,9 +629,12 @@ def _padded_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
 
 def _plan_step(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
                cfg: PlanConfig, epoch: int, step: int, groups: PairGroups | None = None) -> StepPlan:
-    deal = _packed_ranks if cfg.layout.packed else _padded_ranks
-    ranks = deal(step_pairs, chosen, rejected, prompt, cfg, groups)
-    return StepPlan(epoch, step, tuple(step_pairs.tolist()), tuple(tuple(rows) for rows in ranks))
+    responses, copies = None, 0
+    if _spreads_groups(step_pairs, cfg, groups):
+        ranks, responses, copies = _spread_ranks(step_pairs, chosen, rejected, prompt, cfg, groups)
+    else:
+        ranks = (_packed_ranks if cfg.layout.packed else _padded_ranks)(step_pairs, chosen, rejected, prompt, cfg)
+    return StepPlan(epoch, step, tuple(step_pairs.tolist()), tuple(tuple(rows) for rows in ranks), responses, copies)
 
 
 def _as_prompts(prompt_lengths, cfg: PlanConfig) -> np.ndarray | None:
@@ -611,17 +705,20 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
       prefix_sharing_ideal_speedup = sequence_tokens / real_tokens (1.0 without sharing).
     With ``groups``: prompt_groups (the data's groups), prefix_shared_tokens (each pair's prompt once, what prefix
     sharing alone computes) and prompt_groups_ideal_speedup = prefix_shared_tokens / real_tokens (what grouping
-    saves over prefix sharing alone; 1.0 with --no-prompt-groups).
+    saves over prefix sharing alone; 1.0 with --no-prompt-groups), and prompt_copy_tokens: the prompt tokens the
+    rows compute beyond one copy per prompt group of a step, what spreading a group's responses over ranks spends on
+    balance (data/response_spread.py); they are in real_tokens (the rows compute them).
     padded_utilization: sequence tokens / computed tokens of the padded baseline (micro_batch_pairs pairs
       per micro-batch, pairs dealt by count; its 1-token dummy rows included).
     padded_step_utilization: mean over steps of step sequence tokens / (world * max-rank padded computed tokens).
     """
     world = cfg.dp_size
     started = time.perf_counter()
-    rank_tokens, rows_per_rank, lockstep, dummy_rows = [], [], 0, 0
+    rank_tokens, rows_per_rank, lockstep, dummy_rows, copies = [], [], 0, 0, 0
     packed = cfg.layout if cfg.layout.packed else RowLayout.PACKED
     for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, layout=packed), epochs,
                           prompt_lengths=prompt_lengths, groups=groups):
+        copies += plan.prompt_copy_tokens
         rank_tokens.append(plan.rank_tokens)
         rows_per_rank.append(plan.rows_per_rank)
         lockstep += sum(max(rows[i].tokens for rows in plan.ranks) for i in range(plan.rows_per_rank))
@@ -647,7 +744,7 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
     if groups is not None and prompt_lengths is not None:
         shared = int(pair_tokens(chosen_lengths, rejected_lengths, prompt_lengths, True).sum()) * epochs
         grouping = {"prompt_groups": cfg.layout.groups_prompts, "groups": groups.count, "prefix_shared_tokens": shared,
-                    "prompt_groups_ideal_speedup": shared / real_tokens}
+                    "prompt_groups_ideal_speedup": shared / real_tokens, "prompt_copy_tokens": copies}
     return {
         "pairs": int(len(chosen_lengths)),
         "epochs": epochs,
@@ -680,19 +777,25 @@ def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 
 
 
 def write_plan_jsonl(plans: Iterable[StepPlan], path, pair_ids: Sequence | None = None) -> None:
-    """One JSON line per (step, rank, row); written to a temporary file and renamed, so never half-written."""
+    """One JSON line per (step, rank, row); written to a temporary file and renamed, so never half-written.  A row of
+    prompt groups lists the pairs it computes a side of and, under ``responses``, each response it computes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+
+    def name(index):
+        value = pair_ids[int(index)] if pair_ids is not None else int(index)
+        return value.item() if isinstance(value, np.generic) else value
 
     def write(temporary: str) -> None:
         with open(temporary, "w") as handle:
             for plan in plans:
                 for rank, rows in enumerate(plan.ranks):
                     for index, row in enumerate(rows):
-                        ids = [pair_ids[i] if pair_ids is not None else i for i in row.pairs]
                         record = {"epoch": plan.epoch, "step": plan.step, "rank": rank, "row": index,
-                                  "pairs": [x.item() if isinstance(x, np.generic) else x for x in ids],
-                                  "tokens": row.tokens}
+                                  "pairs": [name(i) for i in row.pairs], "tokens": row.tokens}
+                        if plan.responses is not None:  # prompt groups: [pair, "chosen"|"rejected"] it computes
+                            record["responses"] = [[name(plan.responses.source[m]), SIDES[plan.responses.side[m]]]
+                                                   for m in row.responses]
                         handle.write(json.dumps(record) + "\n")
 
     atomic_write(path, write)

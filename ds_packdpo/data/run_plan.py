@@ -118,14 +118,16 @@ def held_out_plan(plan_cfg: PlanConfig, held_out: PreparedPairs) -> StepPlan:
 
 
 def plan_figures(plan_cfg: PlanConfig, prepared: PreparedPairs, epochs: int, steps: int) -> dict:
-    """What the run's ``steps`` steps hold: pairs, real tokens, forwards per rank, and the lock-step utilization
-    (real tokens / (ranks x sum over row slots of the slot's largest computed row), what ZeRO-3 pays)."""
-    pairs = real = lockstep = 0
+    """What the run's ``steps`` steps hold: pairs, real tokens, forwards per rank, the lock-step utilization
+    (real tokens / (ranks x sum over row slots of the slot's largest computed row), what ZeRO-3 pays) and, with prompt
+    groups, the prompt tokens copied to spread groups over ranks (in the real tokens: the rows compute them)."""
+    pairs = real = lockstep = copies = 0
     rows, step_pairs = [], []
     for index, plan in enumerate(run_plan(prepared, plan_cfg, epochs)):
         if index >= steps:
             break
         pairs += plan.num_pairs
+        copies += plan.prompt_copy_tokens
         step_pairs.append(plan.num_pairs)
         real += sum(plan.rank_tokens)
         rows.append(plan.rows_per_rank)
@@ -133,4 +135,5 @@ def plan_figures(plan_cfg: PlanConfig, prepared: PreparedPairs, epochs: int, ste
     grouped = prompt_groups_of(prepared).count < len(prepared.chosen_lengths)  # steps of whole groups: sizes vary
     return {"pairs": pairs, "tokens": real, "rows_per_rank": {"min": min(rows), "max": max(rows)},
             **({"pairs_per_step": {"min": min(step_pairs), "max": max(step_pairs)}} if grouped else {}),
+            **({"prompt_copy_tokens": copies} if plan_cfg.layout.groups_prompts and grouped else {}),
             "lockstep_utilization": real / (plan_cfg.dp_size * lockstep)}

@@ -12,7 +12,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from ..errors import InputError
-from ..hub import check_bare_name, is_hub_id
+from ..hub import check_likely_local, is_hub_id
 from .heldout import EvalSpec, first_pairs, split_by_content
 from .prepare import DataConfig, PreparedPairs, prepare_pairs
 from .synthetic import default_tokenizer, synthetic_preference_rows
@@ -35,7 +35,7 @@ class DataSpec:
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             if not is_hub_id(self.tokenizer):
                 raise InputError(f"--tokenizer {self.tokenizer}: no such folder, and not a hub id")
-            check_bare_name(self.tokenizer, "--tokenizer", "tokenizer_config.json")
+            check_likely_local(self.tokenizer, "--tokenizer", "tokenizer_config.json")
 
 
 def tokenizer_and_rows(data: DataSpec) -> tuple[object, list[dict] | None]:

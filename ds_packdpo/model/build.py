@@ -49,7 +49,7 @@ TINY_CONFIGS = {"tiny": "llama", "tiny-qwen2": "qwen2", **{f"tiny-{name}": name 
 @dataclass(frozen=True)
 class ModelSpec:
     """The policy (and its reference's weights): where they come from, the precision they run in, the seed of random
-    weights and adapters, LoRA, activation checkpointing."""
+    weights and adapters, LoRA, activation checkpointing, the compiled or fused kernels of its layers."""
 
     path: str | None  # --model: a local folder or a hub id
     config: str | None  # --model-config: random weights from a config ('tiny' when neither is given)
@@ -60,6 +60,8 @@ class ModelSpec:
     seed: int  # random weights (policy and reference alike) and the adapters' initialisation
     lora: LoraSettings | None  # None: every weight trains
     gradient_checkpointing: bool
+    compile_layers: bool = False  # torch.compile of each decoder layer (model/kernels.py)
+    liger_kernels: bool = False  # liger-kernel's norm/SwiGLU/rotary patched in (resolved: only where they run)
 
     def __post_init__(self):
         if self.dtype not in TORCH_DTYPES:

@@ -8,7 +8,9 @@ when called with ``attention_mask=None, use_cache=False``; ``cu_seqlens`` /
 once as ``[prompt | chosen | rejected]``, the prompt computed once for both completions;
 its attention (``model/prefix_attention.py``) follows the row's :class:`PrefixLayout`.
 Prompt groups (:func:`collate_grouped`): the pairs of a row that share a prompt as one block
-``[prompt | r1 | ... | rk]``, every prompt and distinct response once.  Padded
+``[prompt | r1 | ... | rk]``, every prompt and distinct response once.  Spread responses
+(:func:`collate_spread`): a row of a step whose prompt groups are spread over ranks holds
+responses, not pairs, laid out as groups, its sums per pair side.  Padded
 (:func:`collate_padded`): the usual TRL / OpenRLHF batch of 2P right-padded rows, the
 benchmark baseline and the reference of the parity tests.  :data:`COLLATE` maps each
 ``data.plan.RowLayout`` to its function.
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from ..data.plan import RowLayout
+from ..data.response_spread import StepResponses, row_sides
 from ..errors import InputError
 
 IGNORE_INDEX = -100
@@ -102,8 +105,13 @@ class ModelBatch:
     prompt_tokens_shared: int = 0
     # Grouped rows only: pair p's (chosen, rejected) sequences when they are not the canonical (2p, 2p + 1), and the
     # number of sequences (responses) the row computes.
-    pair_sequences: torch.Tensor | None = None  # [P, 2] long
+    pair_sequences: torch.Tensor | None = None  # [P, 2] long; a row of spread responses: [K] its pair sides
     sequences: int = 0
+    # Rows of responses spread over ranks (collate_responses) only: the position of each pair side it computes in the
+    # step's side vector
+    # (its sums are exchanged there, run/response_exchange.py), and each such pair's shorter completion (LD-DPO).
+    side_positions: torch.Tensor | None = None  # [K] long
+    side_shared: torch.Tensor | None = None  # [K] long
     # Every row: (position id of the first completion token, completion length) of each sequence (response), for
     # per-token weights that depend on a token's place in its completion (model/token_weights.py).
     completion_spans: torch.Tensor | None = None  # [num_sequences, 2] long
@@ -217,28 +225,49 @@ def collate_packed(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
     )
 
 
-def collate_groups(groups: Sequence[PromptGroup], pad_token_id: int,
-                   pair_order: Sequence[int] | None = None) -> ModelBatch:
-    """One padding-free row with every prompt group once: ``[prompt | r1 | ... | rk]`` block by block (see
-    :class:`PrefixLayout`), response j of a group its sequence ``first + j``.
+@dataclass
+class _GroupedRow:
+    """The flat row of prompt groups ``[prompt | r1 | ... | rk]`` block by block, response j of a block its sequence
+    ``first[block] + j``."""
 
-    Positions: the prompt 0..P-1, every response P..P+Rj-1, so each token sits where it would in its own sequence.
+    ids: torch.Tensor        # [T]
+    positions: torch.Tensor  # [T]
+    seq_index: torch.Tensor  # [T]
+    labels: torch.Tensor     # [T]
+    fork_labels: torch.Tensor  # [forks, T]
+    blocks: tuple[tuple[int, ...], ...]
+    first: list[int]         # first sequence of each block
+    sequences: int
+
+    def batch(self, **pairs) -> ModelBatch:
+        """The ModelBatch of this row with its pairs' fields (``num_pairs``, ``pair_indices``, ``real_tokens``, ...)."""
+        lengths = torch.tensor([sum(b) for b in self.blocks], dtype=torch.int32)
+        cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+        cu_seqlens[1:] = torch.cumsum(lengths, 0)
+        return ModelBatch(
+            input_ids=self.ids[None], position_ids=self.positions[None], attention_mask=None,
+            labels=self.labels[None], seq_index=self.seq_index[None],
+            cu_seqlens=cu_seqlens,  # the group blocks
+            max_seqlen=int(lengths.max()), computed_tokens=self.ids.numel(), fork_labels=self.fork_labels,
+            prefix_layout=PrefixLayout(self.blocks),
+            completion_spans=torch.tensor([(block[0], size) for block in self.blocks for size in block[1:]],
+                                          dtype=torch.long).reshape(-1, 2),
+            **pairs)
+
+
+def _grouped_row(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], names: Sequence) -> _GroupedRow:
+    """Positions: the prompt 0..P-1, every response P..P+Rj-1, so each token sits where it would in its own sequence.
     The prompt's last position predicts the first token of every response: response 1's in ``labels``, response
-    j's in row j - 2 of ``fork_labels`` (scored for sequence ``seq_index + j - 1``).  The pairs' log-probs are
-    looked up from the responses' (``pair_sequences``), in ``pair_order`` (the groups' order by default).  A
-    response may be empty; the prompt may not.
-    """
-    pair_indices = list(pair_order) if pair_order is not None else [i for group in groups for i in group.pair_indices]
-    if not pair_indices:
-        return _dummy(pad_token_id, packed=True)
-    forks = max(1, max(len(group.responses) for group in groups) - 1)
-    ids, positions, seq_index, labels, blocks, pair_sequences = [], [], [], [], [], {}
+    j's in row j - 2 of ``fork_labels`` (scored for sequence ``seq_index + j - 1``).  A response may be empty; the
+    prompt may not (``names[g]`` names a pair of group g in that error)."""
+    forks = max(1, max(len(responses) for _, responses in groups) - 1)
+    ids, positions, seq_index, labels, blocks, first_of = [], [], [], [], [], []
     fork_at: list[tuple[int, int, int]] = []  # (fork row, flat position, token)
-    start = first = real = 0
-    for group in groups:
-        prompt = np.asarray(group.prompt_ids, dtype=np.int64)
-        _check_prompt(prompt, group.pair_indices[0])
-        responses = [np.asarray(r, dtype=np.int64) for r in group.responses]
+    start = first = 0
+    for (prompt_ids, response_ids), name in zip(groups, names):
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        _check_prompt(prompt, name)
+        responses = [np.asarray(r, dtype=np.int64) for r in response_ids]
         size = prompt.size
         ids.append(prompt)
         positions.append(np.arange(size))
@@ -254,41 +283,59 @@ def collate_groups(groups: Sequence[PromptGroup], pad_token_id: int,
             elif response.size:
                 fork_at.append((j - 1, start + size - 1, int(response[0])))
         labels.insert(len(labels) - len(responses), prompt_labels)
-        for (chosen, rejected), index in zip(group.pairs, group.pair_indices):
-            pair_sequences[index] = (first + chosen, first + rejected)
-            real += 2 * size + len(group.responses[chosen]) + len(group.responses[rejected])
         blocks.append((size, *(r.size for r in responses)))
+        first_of.append(first)
         start += sum(blocks[-1])
         first += len(responses)
     flat = torch.from_numpy(np.concatenate(ids))
     fork_labels = torch.full((forks, flat.numel()), IGNORE_INDEX, dtype=torch.long)
     for row, position, token in fork_at:
         fork_labels[row, position] = token
-    lengths = torch.tensor([sum(b) for b in blocks], dtype=torch.int32)
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    return _GroupedRow(flat, torch.from_numpy(np.concatenate(positions)), torch.from_numpy(np.concatenate(seq_index)),
+                       torch.from_numpy(np.concatenate(labels)), fork_labels, tuple(blocks), first_of, first)
+
+
+def collate_groups(groups: Sequence[PromptGroup], pad_token_id: int,
+                   pair_order: Sequence[int] | None = None) -> ModelBatch:
+    """One padding-free row with every prompt group once: ``[prompt | r1 | ... | rk]`` block by block (see
+    :class:`PrefixLayout` and :func:`_grouped_row`).  The pairs' log-probs are looked up from the responses'
+    (``pair_sequences``), in ``pair_order`` (the groups' order by default).
+    """
+    pair_indices = list(pair_order) if pair_order is not None else [i for group in groups for i in group.pair_indices]
+    if not pair_indices:
+        return _dummy(pad_token_id, packed=True)
+    row = _grouped_row([(group.prompt_ids, group.responses) for group in groups],
+                       [group.pair_indices[0] for group in groups])
+    pair_sequences, real = {}, 0
+    for group, first in zip(groups, row.first):
+        size = len(group.prompt_ids)
+        for (chosen, rejected), index in zip(group.pairs, group.pair_indices):
+            pair_sequences[index] = (first + chosen, first + rejected)
+            real += 2 * size + len(group.responses[chosen]) + len(group.responses[rejected])
     pairs = torch.tensor([pair_sequences[index] for index in pair_indices], dtype=torch.long)
     canonical = torch.equal(pairs.reshape(-1), torch.arange(2 * len(pair_indices)))
-    return ModelBatch(
-        input_ids=flat[None],
-        position_ids=torch.from_numpy(np.concatenate(positions))[None],
-        attention_mask=None,
-        labels=torch.from_numpy(np.concatenate(labels))[None],
-        seq_index=torch.from_numpy(np.concatenate(seq_index))[None],
-        cu_seqlens=cu_seqlens,  # the group blocks
-        max_seqlen=int(lengths.max()),
-        num_pairs=len(pair_indices),
-        pair_indices=torch.as_tensor(pair_indices, dtype=torch.long),
-        real_tokens=real,
-        computed_tokens=flat.numel(),
-        fork_labels=fork_labels,
-        prefix_layout=PrefixLayout(tuple(blocks)),
-        prompt_tokens_shared=real - flat.numel(),
-        pair_sequences=None if canonical else pairs,
-        sequences=0 if canonical else first,
-        completion_spans=torch.tensor([(block[0], size) for block in blocks for size in block[1:]],
-                                      dtype=torch.long).reshape(-1, 2),
-    )
+    return row.batch(num_pairs=len(pair_indices), pair_indices=torch.as_tensor(pair_indices, dtype=torch.long),
+                     real_tokens=real, prompt_tokens_shared=real - row.ids.numel(),
+                     pair_sequences=None if canonical else pairs, sequences=0 if canonical else row.sequences)
+
+
+def collate_responses(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], sides: Sequence[Sequence[int]],
+                      side_positions: Sequence[int], side_shared: Sequence[int], pad_token_id: int,
+                      names: Sequence) -> ModelBatch:
+    """A row of responses spread over ranks (``data/response_spread.py``): ``groups[g] = (prompt ids, its responses
+    here)``, laid out as :func:`collate_groups` does; no pair need be whole here.  ``sides[g][j]`` lists the pair
+    sides response j of group g is; ``side_positions`` (flat, in that order) are their positions in the step's side
+    vector (2 x the pair's place in the step, + 1 for a rejected) and ``side_shared`` each one's pair's shorter
+    completion (LD-DPO).  The forward's sums come out per side, in that order (``pair_sequences`` 1-D)."""
+    if not groups:
+        return _dummy(pad_token_id, packed=True)
+    row = _grouped_row(groups, names)
+    sequences = [row.first[g] + j for g, per_group in enumerate(sides) for j, positions in enumerate(per_group)
+                 for _ in positions]
+    return row.batch(num_pairs=0, pair_indices=torch.zeros(0, dtype=torch.long), real_tokens=0,
+                     pair_sequences=torch.tensor(sequences, dtype=torch.long), sequences=row.sequences,
+                     side_positions=torch.as_tensor(side_positions, dtype=torch.long),
+                     side_shared=torch.as_tensor(side_shared, dtype=torch.long))
 
 
 def collate_shared(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int],
@@ -342,19 +389,45 @@ def collate_padded(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: S
     )
 
 
+def collate_spread(pairs: Sequence[Mapping[str, Sequence[int]]], pair_indices: Sequence[int], pad_token_id: int,
+                   responses: StepResponses | None = None, members: Sequence[int] = ()) -> ModelBatch:
+    """A row of spread responses: ``members`` (``Row.responses``, indices into the step's ``responses``), their
+    tokens taken from ``pairs`` (the row's pairs, ``Row.pairs``: each response's source pair is one of them), laid
+    out as :func:`collate_responses` does: each unit's prompt once, then its responses here."""
+    members = np.asarray(members, dtype=np.int64)
+    if not members.size:
+        return _dummy(pad_token_id, packed=True)
+    of_index = dict(zip(pair_indices, pairs))
+    sources = responses.source[members].tolist()
+    side_names = ("chosen_ids", "rejected_ids")
+    per_side, positions, shared = row_sides(responses, members)
+    units = responses.unit[members]
+    starts = np.flatnonzero(np.r_[True, units[1:] != units[:-1]])
+    ends = np.r_[starts[1:], members.size]
+    groups, sides, names = [], [], []
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        groups.append((of_index[sources[start]]["prompt_ids"],
+                       [of_index[sources[k]][side_names[responses.side[members[k]]]] for k in range(start, end)]))
+        sides.append(per_side[start:end])
+        names.append(sources[start])
+    return collate_responses(groups, sides, positions.tolist(), shared.tolist(), pad_token_id, names)
+
+
 # the collate function of each row layout (a new layout: a row here and its function above)
 COLLATE = {RowLayout.PADDED: collate_padded, RowLayout.PACKED: collate_packed, RowLayout.PREFIX_SHARED: collate_shared,
-           RowLayout.PROMPT_GROUPS: collate_grouped}
+           RowLayout.PROMPT_GROUPS: collate_grouped, RowLayout.SPREAD_RESPONSES: collate_spread}
 
 
-def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int,
-                layout: RowLayout = RowLayout.PACKED) -> ModelBatch:
+def collate_row(columns, pair_indices: Sequence[int], pad_token_id: int, layout: RowLayout = RowLayout.PACKED,
+                responses: StepResponses | None = None, members: Sequence[int] = ()) -> ModelBatch:
     """The model inputs of one planned row: its pairs (positional indices) looked up in the tokenized columns
-    (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), collated in ``layout``."""
+    (a ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids``), collated in ``layout``; a row of
+    spread responses also takes the step's ``responses`` and the row's ``members`` (``Row.responses``)."""
     indices = list(pair_indices)
     pairs = []
     if indices:
         cols = columns[indices]
         pairs = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
                  for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
-    return COLLATE[layout](pairs, indices, pad_token_id)
+    spread = {"responses": responses, "members": members} if layout.spreads_responses else {}
+    return COLLATE[layout](pairs, indices, pad_token_id, **spread)

@@ -90,8 +90,20 @@ def row_attention_sq(pairs, chosen_lengths, rejected_lengths, layout: RowLayout,
     return int(2 * index.size * int(max(chosen.max(), rejected.max())) ** 2)
 
 
+def response_row_attention_sq(responses, row) -> int:
+    """S of a row of spread responses (``StepPlan.responses``): each prompt copy P^2, each response R (P + R)."""
+    if not row.responses:
+        return 1  # the one-token dummy row
+    members = np.asarray(row.responses, dtype=np.int64)
+    prompt, length = responses.prompt[members], responses.length[members]
+    _, first = np.unique(responses.unit[members], return_index=True)
+    return int((prompt[first] ** 2).sum() + (length * (prompt + length)).sum())
+
+
 def plan_attention_sq(plan, chosen_lengths, rejected_lengths, layout: RowLayout, prompt_lengths=None) -> int:
     """S of a whole step: every row of every rank."""
+    if plan.row_layout(layout).spreads_responses:
+        return sum(response_row_attention_sq(plan.responses, row) for rows in plan.ranks for row in rows)
     return sum(row_attention_sq(row.pairs, chosen_lengths, rejected_lengths, layout, prompt_lengths)
                for rows in plan.ranks for row in rows)
 

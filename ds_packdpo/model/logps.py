@@ -34,6 +34,7 @@ import warnings
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from torch.profiler import record_function
 
 from ..errors import InputError
 from . import fused_logps
@@ -469,28 +470,32 @@ def _chunk_for(chunk_tokens: int | str, model, batch: ModelBatch) -> int:
 
 # ----------------------------------------------------------------------------- the implementations
 LEAN, PLAIN, AUTO = "lean", "plain", "auto"
+LOGPS_SCOPE = "ds_packdpo.logps"  # the profiler's range around the head and reduction (run/profile_categories.py)
 
 
 def _plain_kernel(model, batch: ModelBatch, attn: str, head, rows, targets, chunk_tokens: int, squares: bool,
                   stats: bool) -> TokenLogps:
     logits = model(**model_forward_kwargs(batch, attn)).logits
-    return _plain_logps_at(logits, rows, targets, chunk_tokens, squares, stats)
+    with record_function(LOGPS_SCOPE):
+        return _plain_logps_at(logits, rows, targets, chunk_tokens, squares, stats)
 
 
 def _lean_kernel(model, batch: ModelBatch, attn: str, head, rows, targets, chunk_tokens: int, squares: bool,
                  stats: bool) -> TokenLogps:
-    return _lean_logps_at(_final_hidden_states(model, batch, attn), rows, targets, head, chunk_tokens,
-                          final_logit_softcap(model), squares, stats)
+    hidden = _final_hidden_states(model, batch, attn)
+    with record_function(LOGPS_SCOPE):
+        return _lean_logps_at(hidden, rows, targets, head, chunk_tokens, final_logit_softcap(model), squares, stats)
 
 
 def _fused_kernel(model, batch: ModelBatch, attn: str, head, rows, targets, chunk_tokens: int, squares: bool,
                   stats: bool) -> TokenLogps:
     """The kernel holds no logits to take an entropy or an argmax from (``stats`` gives none)."""
     hidden = _final_hidden_states(model, batch, attn)
-    selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    # one call of the head module: under ZeRO-3 its weight is gathered once for the row, as the lean path's
-    return TokenLogps(*_as_head_call(head, lambda x, y: fused_token_logps(x, y, head.weight, squares), selected,
-                                     targets))
+    with record_function(LOGPS_SCOPE):
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+        # one call of the head module: under ZeRO-3 its weight is gathered once for the row, as the lean path's
+        return TokenLogps(*_as_head_call(head, lambda x, y: fused_token_logps(x, y, head.weight, squares), selected,
+                                         targets))
 
 
 @dataclass(frozen=True)

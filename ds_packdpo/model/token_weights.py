@@ -36,20 +36,23 @@ class TokenWeighting:
 
 def length_desensitized_sums(batch, rows: torch.Tensor, seq: torch.Tensor, token_logps: torch.Tensor,
                              alpha: float) -> torch.Tensor:
-    """[2P] fp64 LD-DPO log-probs in canonical order (2p chosen, 2p + 1 rejected of local pair p) from the scored
-    tokens of ``batch`` (a ``ModelBatch`` or a sequence-parallel slice of one): ``rows`` their flat positions,
-    ``seq`` their sequences (responses), ``token_logps`` their log-probs.
+    """[2P] fp64 LD-DPO log-probs in canonical order (2p chosen, 2p + 1 rejected of local pair p; a row of spread
+    responses: its pair sides in order) from the scored tokens of ``batch`` (a ``ModelBatch`` or a sequence-parallel
+    slice of one): ``rows`` their flat positions, ``seq`` their sequences (responses), ``token_logps`` their log-probs.
 
     A token's place in its completion is its position id + 1 (it is the label of the position before it) minus
     its sequence's first completion position; the fork of a prefix-shared row (the prompt's last position scoring
     a later response's first token) is place 0 the same way.  Differentiable in ``token_logps``.
     """
     spans = batch.completion_spans.to(rows.device)
-    pairs = batch.num_pairs
     members = batch.pair_sequences
-    if members is None:
-        members = torch.arange(2 * pairs, device=rows.device).reshape(pairs, 2)
-    shared = spans[members, 1].amin(dim=1) if pairs else spans.new_zeros(0)  # L of each pair
+    if batch.side_shared is not None:  # a row of spread responses: its pair sides, each pair's L given by the plan
+        shared = batch.side_shared.to(rows.device)
+    else:
+        pairs = batch.num_pairs
+        if members is None:
+            members = torch.arange(2 * pairs, device=rows.device).reshape(pairs, 2)
+        shared = (spans[members, 1].amin(dim=1) if pairs else spans.new_zeros(0)).repeat_interleave(2)  # L per side
     place = batch.position_ids.reshape(-1)[rows] + 1 - spans[seq, 0]
     if batch.pair_sequences is None:  # each sequence is one pair side: its slot is itself
         token, slot = torch.arange(seq.numel(), device=seq.device), seq
@@ -62,8 +65,8 @@ def length_desensitized_sums(batch, rows: torch.Tensor, seq: torch.Tensor, token
         token = torch.repeat_interleave(torch.arange(seq.numel(), device=seq.device), per_token)
         within = torch.arange(token.numel(), device=seq.device) - (per_token.cumsum(0) - per_token)[token]
         slot = order[first_side[seq[token]] + within]
-    weight = torch.where(place[token] < shared[slot // 2], 1.0, alpha).to(torch.float64)
-    zeros = torch.zeros(2 * pairs, dtype=torch.float64, device=token_logps.device)
+    weight = torch.where(place[token] < shared[slot], 1.0, alpha).to(torch.float64)
+    zeros = torch.zeros(shared.numel(), dtype=torch.float64, device=token_logps.device)
     return zeros.index_add(0, slot, token_logps[token].double() * weight)
 
 

@@ -43,14 +43,15 @@ from ..model.build import ModelSpec
 from ..model.collate import ModelBatch, collate_row
 from ..model.guard import assert_packing_exact
 from ..model.hf_folder import shard_size_bytes
+from ..model.kernels import liger_obstacle
 from ..model.logps import (AUTO_CHUNK, LEAN, LogpsSpec, SequenceLogps, TokenWeighting, forward_logps,
                            resolve_logps_impl)
 from ..model.lora import LoraSettings, as_reference, check_adapters, parameter_counts
 from ..model.loss_registry import LossConfig
 from .checkpoint import CheckpointSpec, ResumePoint, check_resume, plan_fingerprint, resumes_in_place
-from .engines import (OptimizerSpec, build_evaluated_policy, build_policy, build_reference, fill_ds_config,
-                      load_ds_config, load_model, model_config, reference_ds_config, reference_model_config,
-                      zero_stage)
+from .engines import (OptimizerSpec, ZeroSpec, build_evaluated_policy, build_policy, build_reference,
+                      fill_ds_config, load_ds_config, load_model, model_config, reference_ds_config,
+                      reference_model_config, zero_stage)
 from .evaluation import HeldOut, held_out_set
 from .layout import ParallelLayout
 from .metrics import OutputSpec
@@ -88,6 +89,7 @@ class RunSpec:
     attention: AttentionSpec  # model/attention.py: the backend and what the model is built with
     logps: LogpsSpec  # model/logps.py: the log-prob implementation and its chunk
     optimizer: OptimizerSpec  # run/engines.py
+    zero: ZeroSpec  # run/engines.py: ZeRO's buckets, persistence threshold, overlap of communication
     schedule: ScheduleSpec  # run/schedule.py (its steps come from the plan: RunSetup.schedule)
     checkpoint: CheckpointSpec  # run/checkpoint.py: saves, resume, export, bad steps
     outputs: OutputSpec  # run/metrics.py: the run folder, metrics, bars, monitors
@@ -107,10 +109,21 @@ def lora_settings(flags: TrainConfig) -> LoraSettings | None:
     return LoraSettings(flags.lora_r, alpha, flags.lora_dropout, flags.lora_target_modules)
 
 
-def model_spec(flags: TrainConfig, dtype: str) -> ModelSpec:
+def model_spec(flags: TrainConfig, dtype: str, device_type: str) -> ModelSpec:
     return ModelSpec(path=flags.model, config=flags.model_config, reference=flags.ref_model, revision=flags.revision,
                      trust_remote_code=flags.trust_remote_code, dtype=dtype, seed=flags.seed,
-                     lora=lora_settings(flags), gradient_checkpointing=flags.gradient_checkpointing)
+                     lora=lora_settings(flags), gradient_checkpointing=flags.gradient_checkpointing,
+                     compile_layers=flags.compile_layers, liger_kernels=liger_kernels(flags, device_type))
+
+
+def liger_kernels(flags: TrainConfig, device_type: str) -> bool:
+    """--liger-kernels where its kernels run; off a GPU torch's layers, said once; on one without the package, no."""
+    why = liger_obstacle(device_type) if flags.liger_kernels else None
+    if why and device_type == "cuda":
+        raise InputError(f"--liger-kernels: {why}")
+    if why:
+        say_warning(f"--liger-kernels: {why}: the model keeps torch's norms, SwiGLU and rotary")
+    return flags.liger_kernels and why is None
 
 
 def ref_sync(flags: TrainConfig) -> RefSync | None:
@@ -126,6 +139,12 @@ def reference_spec(flags: TrainConfig, model: ModelSpec, loss: LossConfig, evalu
 def optimizer_spec(flags: TrainConfig) -> OptimizerSpec:
     return OptimizerSpec(name=flags.optimizer, lr=flags.lr, betas=(flags.adam_beta1, flags.adam_beta2),
                          eps=flags.adam_epsilon, weight_decay=flags.weight_decay, max_grad_norm=flags.max_grad_norm)
+
+
+def zero_spec(flags: TrainConfig) -> ZeroSpec:
+    return ZeroSpec(prefetch_bucket_size=flags.zero_prefetch_bucket_size,
+                    param_persistence_threshold=flags.zero_param_persistence_threshold,
+                    reduce_bucket_size=flags.zero_reduce_bucket_size, overlap_comm=flags.zero_overlap_comm)
 
 
 def schedule_spec(flags: TrainConfig) -> ScheduleSpec:
@@ -151,7 +170,7 @@ def output_spec(flags: TrainConfig) -> OutputSpec:
                       overwrite=flags.overwrite, progress=flags.progress, logging_steps=flags.logging_steps,
                       verbose=flags.verbose, monitors=monitor_names(flags.report_to),
                       run_name=flags.run_name or output_dir.resolve().name, project=flags.project,
-                      peak_tflops=flags.peak_tflops)
+                      peak_tflops=flags.peak_tflops, profile_steps=flags.profile_steps)
 
 
 def logps_chunk(flags: TrainConfig) -> int | str:
@@ -311,7 +330,7 @@ def prepare(flags: TrainConfig, command: str = "train", world_size: int | None =
     loss = flags.loss_config()
     data = flags.data_spec()
     evaluation = flags.evaluation_spec(data.tokenization)
-    model = model_spec(flags, dtype)
+    model = model_spec(flags, dtype, device_type)
     reference = reference_spec(flags, model, loss, evaluation)
     optimizer, schedule, outputs = optimizer_spec(flags), schedule_spec(flags), output_spec(flags)
     checkpoint = checkpoint_spec(flags)
@@ -336,7 +355,7 @@ def prepare(flags: TrainConfig, command: str = "train", world_size: int | None =
                    flags.plan_spec(layout, row_layout), loss,
                    AttentionSpec(attn, backend.model_implementation(layout.sp_size, row_layout.shares_prefixes),
                                  packing_check=not flags.skip_packing_check),
-                   logps, optimizer, schedule, checkpoint, outputs, settings)
+                   logps, optimizer, zero_spec(flags), schedule, checkpoint, outputs, settings)
     return checked_setup(spec, raw_ds, ds_source, tokenizer, rows, hf_config, dry_run)
 
 
@@ -355,7 +374,7 @@ def checked_setup(spec: RunSpec, raw_ds: dict, ds_source: str, tokenizer, rows: 
     length = run_length(spec.plan, prepared)
     schedule = spec.schedule.over(spec.optimizer.lr, length.steps)
     ds_config = fill_ds_config(raw_ds, ds_source, spec.optimizer, spec.model.dtype, spec.outputs, layout,
-                               int(getattr(hf_config, "hidden_size", 1024)), spec.device_type, schedule)
+                               int(getattr(hf_config, "hidden_size", 1024)), spec.device_type, schedule, spec.zero)
     if spec.reference.offload:  # the reference's own config, so that a stage without parameter offload ends here
         reference_ds_config(ds_config, offload=True, source=ds_source)
     setup = RunSetup(spec, ds_config, tokenizer, prepared, schedule, length)
@@ -422,10 +441,13 @@ class Run:
         with torch.no_grad():
             return self.forward_logps(self.reference, batch, policy=False)
 
-    def row_batch(self, row) -> ModelBatch:
-        """The model inputs of one planned row, collated in the run's row layout, on this rank's device."""
+    def row_batch(self, row, plan) -> ModelBatch:
+        """The model inputs of one planned row of ``plan`` (a StepPlan), collated in the step's row layout (the run's,
+        or spread responses where the plan spread the step's prompt groups over ranks), on this rank's device."""
         setup = self.setup
-        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, setup.spec.row_layout).to(self.device)
+        layout = plan.row_layout(setup.spec.row_layout)
+        return collate_row(setup.prepared.dataset, row.pairs, setup.pad_token_id, layout, plan.responses,
+                           row.responses).to(self.device)
 
     def check_packing(self) -> None:
         """The start-up guard (packed runs): packed log-probs, in the run's layout (prefix-shared or not), equal each

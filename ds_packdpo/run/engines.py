@@ -26,6 +26,7 @@ from ..config import read_mapping
 from ..errors import InputError, first_line
 from ..model.config_rules import check_forward_rules, check_model_folder
 from ..model.build import TORCH_DTYPES, ModelSpec, build_model, load_model_config, load_pretrained_config
+from ..model.kernels import apply_liger_kernels, compile_decoder_layers, keep_hooks_eager
 from ..model.lora import add_adapters
 from ..model.param_groups import weight_decay_groups
 from .layout import ParallelLayout
@@ -45,6 +46,35 @@ class OptimizerSpec:
     eps: float  # Adam/AdamW
     weight_decay: float  # of every parameter but biases, norm weights and embeddings
     max_grad_norm: float  # 0: no clipping
+
+@dataclass(frozen=True)
+class ZeroSpec:
+    """ZeRO's communication (the --zero-* flags, or the DeepSpeed config's zero_optimization values taken as them in
+    phase one): None leaves a bucket to the hidden-size rule of :func:`fill_ds_config`, overlap_comm to the config
+    ("auto": on) or to DeepSpeed."""
+
+    prefetch_bucket_size: int | None  # stage3_prefetch_bucket_size
+    param_persistence_threshold: int | None  # stage3_param_persistence_threshold
+    reduce_bucket_size: int | None
+    overlap_comm: bool | None
+
+    def keys(self, hidden_size: int) -> dict:
+        """The zero_optimization values of the run, at a model of ``hidden_size`` (HF's rules for "auto")."""
+        def given_or(value, default):
+            return default if value is None else value
+
+        return {"reduce_bucket_size": given_or(self.reduce_bucket_size, hidden_size * hidden_size),
+                "stage3_prefetch_bucket_size": given_or(self.prefetch_bucket_size, int(0.9 * hidden_size * hidden_size)),
+                "stage3_param_persistence_threshold": given_or(self.param_persistence_threshold, 10 * hidden_size),
+                "overlap_comm": given_or(self.overlap_comm, True)}
+
+    def written(self) -> dict:
+        """The keys the settings give (a config that leaves them out gets them too)."""
+        return {key: value for key, value in (("reduce_bucket_size", self.reduce_bucket_size),
+                                              ("stage3_prefetch_bucket_size", self.prefetch_bucket_size),
+                                              ("stage3_param_persistence_threshold", self.param_persistence_threshold),
+                                              ("overlap_comm", self.overlap_comm)) if value is not None}
+
 
 # DeepSpeed's monitor sections: the trainer reports through the policy engine's monitor only.
 _MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
@@ -119,7 +149,8 @@ def _optimizer_section(raw: dict, name: str) -> dict:
 
 
 def fill_ds_config(raw: dict, source: str, optimizer: OptimizerSpec, dtype: str, outputs: OutputSpec,
-                   layout: ParallelLayout, hidden_size: int, device_type: str, schedule: Schedule) -> dict:
+                   layout: ParallelLayout, hidden_size: int, device_type: str, schedule: Schedule,
+                   zero: ZeroSpec = ZeroSpec(None, None, None, None)) -> dict:
     """The run's DeepSpeed config: "auto" values filled from the run's settings (which hold the values the config
     wrote, run/user_values.py), the batch keys pinned to one planned row per forward, the scheduler section that runs
     ``schedule``, the monitors of ``outputs``."""
@@ -136,10 +167,8 @@ def fill_ds_config(raw: dict, source: str, optimizer: OptimizerSpec, dtype: str,
         "betas": list(optimizer.betas),
         "eps": optimizer.eps,
         "weight_decay": optimizer.weight_decay,
-        "reduce_bucket_size": hidden_size * hidden_size,
+        **zero.keys(hidden_size),
         "allgather_bucket_size": max(hidden_size * hidden_size, 1_000_000),
-        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-        "stage3_param_persistence_threshold": 10 * hidden_size,
         "output_path": str(outputs.output_dir),  # monitors (csv, tensorboard) write under the run's folder
     }
     raw = copy.deepcopy(raw)
@@ -152,6 +181,8 @@ def fill_ds_config(raw: dict, source: str, optimizer: OptimizerSpec, dtype: str,
                        ("gradient_accumulation_steps", 1), ("gradient_clipping", optimizer.max_grad_norm)):
         ds.setdefault(key, value)  # what the config leaves out runs as the settings say
     ds.setdefault("bf16", {"enabled": bf16})
+    if isinstance(ds.get("zero_optimization"), dict):  # what the config left out runs as the --zero-* flags say
+        ds["zero_optimization"].update(zero.written())
     monitor_sections(outputs, ds)
     if sp_size > 1:
         if zero_stage(ds) == 3 and ds["zero_optimization"].get("reduce_scatter") is False:
@@ -219,7 +250,8 @@ def load_model(model: ModelSpec, path: str | None, vocab_size: int, attn: str, d
 
     Under a ZeRO-3 ``ds_config`` the weights are partitioned at construction: while the
     ``HfDeepSpeedConfig`` lives, transformers wraps from_pretrained/from_config in
-    ``deepspeed.zero.Init``, so no rank ever holds the full model.
+    ``deepspeed.zero.Init``, so no rank ever holds the full model.  Its layers then get the fused or compiled kernels
+    of ``model`` (model/kernels.py).
     """
     keep_alive = HfDeepSpeedConfig(ds_config) if ds_config is not None and zero_stage(ds_config) == 3 else None
     torch.manual_seed(model.seed)  # policy and reference built from a config get identical weights
@@ -227,6 +259,10 @@ def load_model(model: ModelSpec, path: str | None, vocab_size: int, attn: str, d
                          seed=model.seed, trust_remote_code=model.trust_remote_code,
                          revision=model.revision if path == model.path else None)
     del keep_alive
+    if model.liger_kernels:
+        apply_liger_kernels(module)
+    if model.compile_layers:
+        compile_decoder_layers(module)
     return module
 
 
@@ -272,6 +308,8 @@ def build_policy(model: ModelSpec, weight_decay: float, ds_config: dict, vocab_s
                               base=str(Path(model.path).resolve()) if model.path else None)
     groups = weight_decay_groups(module, weight_decay)
     policy, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=ds_config, mpu=mpu)
+    if model.compile_layers:
+        keep_hooks_eager(policy.module)
     start_schedule(policy)
     return policy
 
@@ -295,6 +333,8 @@ def _frozen(model: ModelSpec, path: str | None, ref_ds: dict, vocab_size: int, a
     if zero_stage(ref_ds) == 3:
         engine, _, _, _ = deepspeed.initialize(model=module, config=ref_ds, mpu=mpu)
         engine.eval()
+        if model.compile_layers:
+            keep_hooks_eager(engine.module)
         return engine
     # ZeRO 0-2 shard only optimizer state and gradients; a frozen model has neither, so it stays whole.
     return module.to(get_accelerator().current_device_name())

@@ -30,6 +30,7 @@ from ..model.guard import evaluating
 from ..model.losses import metric_means, metric_sums, pair_losses
 from .metrics import add_sums, sum_over_ranks
 from .reference import PrecomputedReference, reference_fingerprint
+from .response_exchange import exchanged_pairs, spread_statistic
 from .step_statistics import slot_index, slots_of, step_statistic
 
 PREFIX = "eval_"
@@ -59,28 +60,36 @@ def evaluate(run, progress: bool = False) -> dict:
     held = run.setup.held_out
     view = dataclasses.replace(run, setup=dataclasses.replace(run.setup, prepared=held.pairs),
                                reference=held.reference if held.reference is not None else run.reference)
-    spec = run.setup.spec
+    spec, plan = run.setup.spec, held.plan
     layout = spec.layout
-    counted = float(layout.counts_metrics)
+    spread = plan.responses is not None  # prompt groups spread over ranks: every pair on every rank, rank 0 counts
     sums: dict = {}
     started = time.perf_counter()
     with torch.no_grad(), evaluating(run.policy):
         batches, references, policies = [], [], []
-        rows = held.plan.ranks[layout.dp_rank]
+        rows = plan.ranks[layout.dp_rank]
         bar = progress_bar(len(rows), "eval", "row", progress and layout.rank == 0 and spec.outputs.progress)
         for row in rows:
-            batches.append(view.row_batch(row))
-            references.append(view.reference_logps(batches[-1]))
+            batches.append(view.row_batch(row, plan))
+            references.append(None if spread and view.reference_is_precomputed else view.reference_logps(batches[-1]))
             policies.append(view.forward_logps(view.policy, batches[-1]))
             bar.update(1)
         bar.close()
-        statistic, slots = None, slot_index(held.plan)
-        if spec.loss.batch_coupled:  # sorted / token-averaged over the whole held-out set
-            statistic = step_statistic(held.plan, batches, policies, references, layout, run.device)
-        for batch, policy, reference in zip(batches, policies, references):
-            partners = statistic.partners(slots_of(slots, batch)) if statistic is not None else None
+        if spread:
+            policy, reference = exchanged_pairs(view, plan, batches, policies, references)
+            statistic = spread_statistic(plan, spec.loss, policy, reference)
+            partners = statistic.partners(torch.arange(plan.num_pairs)) if statistic is not None else None
             losses, per_pair = pair_losses(policy, reference, spec.loss, partners)
-            add_sums(sums, {**metric_sums(per_pair, policy), "loss_sum": losses.sum()}, counted)
+            add_sums(sums, {**metric_sums(per_pair, policy), "loss_sum": losses.sum()}, float(layout.rank == 0))
+        else:
+            statistic, slots = None, slot_index(plan)
+            if spec.loss.batch_coupled:  # sorted / token-averaged over the whole held-out set
+                statistic = step_statistic(plan, batches, policies, references, layout, run.device)
+            for batch, policy, reference in zip(batches, policies, references):
+                partners = statistic.partners(slots_of(slots, batch)) if statistic is not None else None
+                losses, per_pair = pair_losses(policy, reference, spec.loss, partners)
+                add_sums(sums, {**metric_sums(per_pair, policy), "loss_sum": losses.sum()},
+                         float(layout.counts_metrics))
     totals = sum_over_ranks(sums, run.device)
     figures = {"loss": totals.pop("loss_sum") / max(totals["pairs"], 1.0), **metric_means(totals),
                "pairs": int(round(totals["pairs"])), "time_s": time.perf_counter() - started}

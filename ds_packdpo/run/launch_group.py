@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -94,24 +95,32 @@ def _signal_session(pid: int, signum: int) -> None:
         pass
 
 
-def pass_stdout(pipe) -> None:
-    """Copies the launcher's stdout (``pipe``, bytes) to ours line by line until it closes, less the launcher's
-    error line of a clean stop."""
-    with pipe:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode(errors="replace")
-            if not _CLEAN_STOP_LINE.search(line):
-                sys.stdout.write(line)
-                sys.stdout.flush()
+def _pass_through(stream, sink, on_line: Callable[[str], None] | None) -> None:
+    """Copies a launcher's output stream to ``sink`` line by line, less the launcher's error line of a clean stop;
+    each line also to ``on_line``."""
+    for line in iter(stream.readline, ""):
+        if not _CLEAN_STOP_LINE.search(line):
+            sink.write(line)
+            sink.flush()
+        if on_line is not None:
+            on_line(line)
+    stream.close()
 
 
-def run_launcher(cmd: list[str], env: dict, grace_s: float) -> LaunchOutcome:
+def run_launcher(cmd: list[str], env: dict, grace_s: float,
+                 on_line: Callable[[str], None] | None = None) -> LaunchOutcome:
     """Runs ``cmd`` (a launcher) in its own session until it exits, forwarding SIGTERM/SIGINT as the module says;
-    its stdout through :func:`pass_stdout` (the ranks' unbuffered, so each line comes when it is printed)."""
-    proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-                            stdout=subprocess.PIPE)
-    copier = threading.Thread(target=pass_stdout, args=(proc.stdout,), daemon=True)
-    copier.start()
+    its stdout passes through :func:`_pass_through` (the ranks' unbuffered, so each line comes when it is printed);
+    ``on_line``: called with every line of its output, stderr's too (still written to ours), e.g. for the bench to
+    say which configuration a crash ended."""
+    pipes = {"stdout": subprocess.PIPE, "text": True, "errors": "replace",
+             **({} if on_line is None else {"stderr": subprocess.PIPE})}
+    proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True, **pipes)
+    streams = [(proc.stdout, sys.stdout), *([] if on_line is None else [(proc.stderr, sys.stderr)])]
+    readers = [threading.Thread(target=_pass_through, args=(stream, sink, on_line), daemon=True)
+               for stream, sink in streams]
+    for reader in readers:
+        reader.start()
     forwarder = _Forwarder(proc, grace_s)
     previous = {signum: signal.signal(signum, forwarder.handle) for signum in SIGNALS}
     killed = False
@@ -130,6 +139,7 @@ def run_launcher(cmd: list[str], env: dict, grace_s: float) -> LaunchOutcome:
             signal.signal(signum, handler)
         if killed or forwarder.received:
             _signal_session(proc.pid, signal.SIGKILL)  # nothing of the session outlives a stop
-        copier.join(timeout=5)  # the rest of the launcher's output (a rank it left holds the pipe: not waited on)
+        for reader in readers:
+            reader.join(timeout=5)  # the output the launcher's last processes wrote
     name = signal.Signals(forwarder.received[0]).name if forwarder.received else None
     return LaunchOutcome(code, name, killed, repeated=len(forwarder.received) > 1)

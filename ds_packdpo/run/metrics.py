@@ -41,6 +41,11 @@ class OutputSpec:
     run_name: str  # --run-name, default the run folder's name
     project: str | None  # the wandb or comet project
     peak_tflops: float | None  # one device's peak, for MFU
+    profile_steps: int | None = None  # steps under torch.profiler, OUTPUT_DIR/profile.json (run/step_profiler.py)
+
+    @property
+    def profile_path(self) -> Path:
+        return self.output_dir / "profile.json"
 
     def __post_init__(self):
         unknown = sorted(set(self.monitors) - set(MONITORS))

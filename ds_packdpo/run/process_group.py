@@ -2,7 +2,9 @@
 
 The collective timeout bounds every collective of the run, so a dead rank ends its
 peers with an error instead of a hang; :func:`is_collective_failure` lets the loop turn
-that error into one line naming what to do (exit code 5).
+that error into one line naming what to do (exit code 5), and :func:`lost_peers` names
+the ranks that died or stalled (their host and pid), by a roll call in the job's
+rendezvous store: among hundreds of ranks on dozens of nodes, which one is the question.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import faulthandler
 import io
 import json
 import os
+import socket
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -24,13 +28,17 @@ import torch.distributed as dist
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from ..errors import PeerFailureError, first_line, run_guarded
+from . import stop
 from .build_lock import remove_stale_locks, use_venv_extensions
 from .layout import ParallelLayout, free_port, launched
-from .stop import end_at_once
 
 # Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 SHM_DIR = Path("/dev/shm")
+ROLL_CALL = "ds_packdpo/roll_call"  # the keys of the roll call in the rendezvous store
+# How long the survivors of a failed collective wait for each other's answer: gloo fails every survivor of a dead rank
+# within milliseconds (measured here); each second of it is added to the time a death takes to end the job.
+ROLL_CALL_S = 2.0
 
 
 def init_process_group(layout: ParallelLayout, collective_timeout_s: float, quiet: bool = False) -> None:
@@ -43,7 +51,7 @@ def init_process_group(layout: ParallelLayout, collective_timeout_s: float, quie
             faulthandler.enable(file=sys.__stderr__)
         use_venv_extensions()  # a rank started by hand finds the op where this venv built it
         if launched():
-            end_at_once()  # a rank's SIGINT before the loop, as its SIGTERM
+            stop.end_at_once()  # a rank's SIGINT before the loop, as its SIGTERM
         remove_stale_locks()  # init_distributed JIT-builds DeepSpeed's CPU comm extension: a stale lock hangs it
         if not all(key in os.environ for key in RENDEZVOUS_ENV):
             if not launched() and "MASTER_PORT" not in os.environ:
@@ -62,6 +70,9 @@ def init_process_group(layout: ParallelLayout, collective_timeout_s: float, quie
             deepspeed.init_distributed(timeout=timedelta(seconds=collective_timeout_s), auto_mpi_discovery=True,
                                        verbose=False)
         release_shm_buffer()
+        if dist.get_world_size() > 1:
+            _rendezvous_store(collective_timeout_s).set(f"{ROLL_CALL}/who/{dist.get_rank()}",
+                                                        f"{socket.gethostname()}, pid {os.getpid()}")
     layout.check_process_group(dist.get_rank(), dist.get_world_size())
 
 
@@ -85,6 +96,47 @@ def release_shm_buffer() -> None:
     dist.barrier()
     name = shm_buffer_name(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank())
     (SHM_DIR / name).unlink(missing_ok=True)
+
+
+def _rendezvous_store(timeout_s: float) -> dist.TCPStore:
+    """A client of the job's rendezvous store (torch's env:// rendezvous: a TCPStore that rank 0's process serves on
+    MASTER_ADDR:MASTER_PORT), apart from the process group's own connections."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def lost_peers() -> str:
+    """After a failed collective, who failed, as the subject of the rank's error line.
+
+    Every survivor answers a roll call in the rendezvous store and waits up to ROLL_CALL_S for
+    the others; the ranks that did not answer are named with the host and pid each left there
+    as the group started ("rank 1 (node2, pid 4242) did not answer within 2 s: it died or
+    stalled").  A store that cannot be reached went with the process that served it: rank 0's.
+    No roll call in a rank its launcher is stopping (a stop signal came: DeepSpeed's launcher
+    sends SIGTERM to the others when one of its ranks died): the job is ending already.
+    Never raises: it runs while a failure is being reported, which it must not replace.
+    """
+    if stop.requested():
+        return "another rank died or stalled"
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        try:
+            store = _rendezvous_store(ROLL_CALL_S)
+        except Exception:  # noqa: BLE001 -- no store to reach: its server, rank 0's process, is gone
+            if rank == 0:
+                raise
+            return f"rank 0 (on {os.environ['MASTER_ADDR']}, whose rendezvous store is unreachable) died or stalled"
+        store.set(f"{ROLL_CALL}/here/{rank}", "")
+        deadline = time.monotonic() + ROLL_CALL_S
+        while missing := [r for r in range(world_size) if not store.check([f"{ROLL_CALL}/here/{r}"])]:
+            if time.monotonic() >= deadline:
+                who = ", ".join(f"rank {r} ({store.get(f'{ROLL_CALL}/who/{r}').decode()})" for r in missing)
+                return f"{who} did not answer within {ROLL_CALL_S:g} s: {'it' if len(missing) == 1 else 'they'} " \
+                       "died or stalled"
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 -- no roll call (no process group, no store): the failure is reported without it
+        pass
+    return "another rank died or stalled"
 
 
 def is_collective_failure(error: RuntimeError) -> bool:
@@ -111,7 +163,7 @@ def close_process_group() -> None:
         except RuntimeError as error:
             if not is_collective_failure(error):
                 raise
-            raise PeerFailureError(f"rank {dist.get_rank()}: another rank died or stalled after the last step "
+            raise PeerFailureError(f"rank {dist.get_rank()}: {lost_peers()} after the last step "
                                    f"({first_line(error)})") from error
         dist.destroy_process_group()
 

@@ -257,8 +257,12 @@ class PrecomputedReference:
 
     def sequence_logps(self, batch) -> SequenceLogps:
         """The row's pairs in canonical order (sequence 2p chosen, 2p+1 rejected), as a forward would give them."""
-        device = batch.input_ids.device
-        rows = self.values[batch.pair_indices.cpu()].to(device)
+        return self.pair_logps(batch.pair_indices, batch.input_ids.device)
+
+    def pair_logps(self, pair_indices, device) -> SequenceLogps:
+        """The pairs ``pair_indices`` (positional) in canonical order: a row's, or with prompt groups spread over
+        ranks a row slot's (its pairs' sides lie on several ranks; the file holds each pair whole)."""
+        rows = self.values[torch.as_tensor(pair_indices, dtype=torch.long).cpu()].to(device)
         return SequenceLogps(logps=rows[:, 0:2].reshape(-1), tokens=rows[:, 2:4].reshape(-1),
                              logits_sum=torch.zeros(2 * rows.shape[0], dtype=torch.float64, device=device))
 

@@ -79,11 +79,14 @@ def step_statistic(plan: StepPlan, batches: Sequence[ModelBatch], policies: Sequ
 
 
 class CoupledStep:
-    """One optimizer step's rows on this rank: the reference log-probs of each row (from the pre-pass when there is
-    one) and the step statistic's matches for each row's pairs (None when no batch-coupled loss is trained)."""
+    """One optimizer step's rows on this rank, each holding whole pairs: the reference log-probs of each row (from the
+    pre-pass when there is one), each row's pairs with the step statistic's matches (None when no batch-coupled loss
+    is trained), and what each row adds to the step's figures.  ``run/response_exchange.py``'s ``SpreadStep`` is its
+    peer for rows of responses spread over ranks."""
 
     def __init__(self, run, plan: StepPlan, batches: Sequence[ModelBatch]):
         self.run, self.batches, self.slots = run, batches, slot_index(plan)
+        self.pair_weight = float(run.setup.spec.layout.counts_metrics)  # an sp-rank > 0 holds its group's sums again
         self.statistic: StepStatistic | None = None
         self._references: list[SequenceLogps | None] = [None] * len(batches)
         loss = run.setup.spec.loss
@@ -108,3 +111,14 @@ class CoupledStep:
         if self.statistic is None:
             return None
         return self.statistic.partners(slots_of(self.slots, self.batches[i]))
+
+    def pair_logps(self, i: int, policy: SequenceLogps, reference: SequenceLogps | None):
+        """(policy, reference, partners) of the pairs whose loss row i's backward carries: the row's own pairs."""
+        return policy, reference, self.partners(i)
+
+    def token_sums(self, i: int) -> dict[str, float]:
+        """Row i's share of the step's token figures (weighted: counted once per sequence-parallel group)."""
+        batch = self.batches[i]
+        return {"real_tokens": batch.real_tokens * self.pair_weight,
+                "computed_tokens": batch.computed_tokens * self.pair_weight,
+                "prompt_tokens_shared": batch.prompt_tokens_shared * self.pair_weight}

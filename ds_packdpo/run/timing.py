@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import resource
-import threading
 import time
 
-import psutil
 import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..model.flops import FlopModel, ThroughputMeter
+from .cpu_memory import reset_resident_peak, resident_peak_bytes
 
 
 class StepTimer:
@@ -32,44 +31,34 @@ class StepTimer:
 class PeakMemory:
     """Peak memory of this process over a ``with`` block.
 
-    On CUDA ``torch.cuda.max_memory_allocated`` (reset at start).  On CPU the RSS,
-    sampled every 10 ms by a thread: ``ru_maxrss`` is the peak of the process's
-    whole life, so it cannot tell a bench's second configuration from its first.
+    On CUDA ``torch.cuda.max_memory_allocated`` (reset at start).  On CPU the kernel's peak resident set (VmHWM),
+    reset at start: exact, and no thread samples it during the measured steps (a sampling thread took 2-3% of a
+    core per rank).  Where the kernel cannot reset it, the peak of the process's whole life (``rss_process_peak``).
     """
 
-    def __init__(self, device_type: str, interval_s: float = 0.01):
+    def __init__(self, device_type: str):
         self.device_type = device_type
-        self.interval_s = interval_s
         self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread = None
+        self._reset = False
 
     @property
     def kind(self) -> str:
-        return "cuda_max_allocated" if self.device_type == "cuda" else "rss"
+        if self.device_type == "cuda":
+            return "cuda_max_allocated"
+        return "rss" if self._reset else "rss_process_peak"
 
     def __enter__(self):
         if self.device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         else:
-            process = psutil.Process()
-
-            def sample():
-                while True:
-                    self.peak_bytes = max(self.peak_bytes, process.memory_info().rss)
-                    if self._stop.wait(self.interval_s):
-                        return
-
-            self._thread = threading.Thread(target=sample, name="peak-rss", daemon=True)
-            self._thread.start()
+            self._reset = reset_resident_peak()
         return self
 
     def __exit__(self, *exc):
         if self.device_type == "cuda":
             self.peak_bytes = int(torch.cuda.max_memory_allocated())
         else:
-            self._stop.set()
-            self._thread.join()
+            self.peak_bytes = resident_peak_bytes()
         return False
 
 

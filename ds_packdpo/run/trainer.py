@@ -4,7 +4,11 @@ Per optimizer step each rank runs the same number K of rows (the plan guarantees
 ZeRO-3 hangs otherwise).  The loss of a row is its pairs' loss sum divided by the
 step's global pair count times the count DeepSpeed divides the summed gradients by
 (``ParallelLayout.gradient_divisor``), so DeepSpeed's gradient average equals the
-gradient of the mean over all pairs of the step, whatever the layout.  The
+gradient of the mean over all pairs of the step, whatever the layout.  With prompt groups spread
+over ranks a row holds no whole pair: every rank's row i carries the loss of all the pairs of row
+slot i, its own responses' sums with their graph and the others' exchanged (``response_exchange``),
+so each rank's gradient is its responses' share and their sum the one-rank gradient; the pairs'
+figures are counted once (rank 0).  The
 accumulation boundary is set by hand because K changes from step to step.
 """
 
@@ -16,6 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..data.run_plan import plan_figures, run_plan
 from ..errors import PeerFailureError, RunAbortedError, TooManyBadStepsError, first_line
@@ -27,10 +32,12 @@ from .evaluation import evaluate
 from .export import export_checkpoint
 from .layout import describe_sizes
 from .metrics import MetricsWriter, add_sums, sum_over_ranks
-from .process_group import close_process_group, is_collective_failure
+from .process_group import close_process_group, is_collective_failure, lost_peers
+from .profile_categories import OPTIMIZER_SCOPE
 from .reference_sync import ReferenceSync
 from .schedule import Schedule
-from .step_statistics import CoupledStep
+from .response_exchange import step_rows
+from .step_profiler import StepProfiler
 from .timing import StepTimer, peak_memory_mb, throughput_meter
 
 STEP_SUM_KEYS = ("loss_sum", "real_tokens", "computed_tokens", "prompt_tokens_shared")
@@ -68,27 +75,27 @@ class DPOTrainer:
         sums: dict[str, torch.Tensor] = {}
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         lr = self.policy.get_lr()[0] if self.policy.get_lr() else self.spec.optimizer.lr
-        counted = float(self.layout.counts_metrics)
-        batches = [self.run.row_batch(row) for row in rows]
-        coupled = CoupledStep(self.run, plan, batches)  # the whole step's statistic, when a batch-coupled loss needs it
+        batches = [self.run.row_batch(row, plan) for row in rows]
+        own_rows = step_rows(self.run, plan, batches)  # rows of whole pairs, or of responses spread over ranks
         for i, batch in enumerate(batches):
-            ref = coupled.reference_logps(i)
+            ref = own_rows.reference_logps(i)
             self.policy.set_gradient_accumulation_boundary(i == len(rows) - 1)
             pol = self.run.forward_logps(self.policy, batch)
-            losses, per_pair = pair_losses(pol, ref, self.spec.loss, coupled.partners(i))
+            pol, ref, partners = own_rows.pair_logps(i, pol, ref)  # the pairs whose loss this row's backward carries
+            losses, per_pair = pair_losses(pol, ref, self.spec.loss, partners)
             losses = self.hooks.losses(step, losses)
             bad |= ~torch.isfinite(losses.detach()).all()
             loss = global_normalized_loss(losses, plan.num_pairs, self.layout.gradient_divisor)
             if i == len(rows) - 1:
                 loss = self._skip_if_any_rank_bad(loss, bad)
             self.policy.backward(loss, scale_wrt_gas=False)
-            self.policy.step()
+            with record_function(OPTIMIZER_SCOPE):  # the update itself at the boundary (the step profile's category)
+                self.policy.step()
             row_sums = metric_sums(per_pair, pol)
             row_sums["loss_sum"] = losses.detach().sum()
-            row_sums["real_tokens"] = torch.tensor(float(batch.real_tokens), device=self.device)
-            row_sums["computed_tokens"] = torch.tensor(float(batch.computed_tokens), device=self.device)
-            row_sums["prompt_tokens_shared"] = torch.tensor(float(batch.prompt_tokens_shared), device=self.device)
-            add_sums(sums, row_sums, counted)
+            add_sums(sums, row_sums, own_rows.pair_weight)
+            add_sums(sums, {key: torch.tensor(value, dtype=torch.float64, device=self.device)
+                            for key, value in own_rows.token_sums(i).items()}, 1.0)
         totals = sum_over_ranks(sums, self.device)  # one collective per step for every metric
         metrics = metric_means({k: v for k, v in totals.items() if k not in STEP_SUM_KEYS})
         grad_norm = self.policy.get_global_grad_norm()
@@ -102,6 +109,7 @@ class DPOTrainer:
             "computed_tokens": int(round(totals["computed_tokens"])),
             "prompt_tokens_shared": int(round(totals["prompt_tokens_shared"])),
             "rows_per_rank": len(rows),
+            **({"prompt_copy_tokens": plan.prompt_copy_tokens} if self.spec.row_layout.groups_prompts else {}),
             "max_rank_tokens": max(plan.rank_tokens),
             "mean_rank_tokens": sum(plan.rank_tokens) / len(plan.rank_tokens),
         })
@@ -167,8 +175,16 @@ def describe_plan(summary: dict) -> str:
     return (f"plan: {summary['pairs']} pairs in {summary['steps']} steps{varying}{cap} ({summary['train_pairs']} "
             f"training pairs), "
             f"{rows} per rank on {describe_sizes(summary['layout'])}, {describe_attention(summary['attention'])}, "
-            f"lock-step utilization "
-            f"{summary['lockstep_utilization']:.3f}{held_out}; schedule: {Schedule(**summary['schedule']).describe()}")
+            f"lock-step utilization {summary['lockstep_utilization']:.3f}{describe_copies(summary)}{held_out}; "
+            f"schedule: {Schedule(**summary['schedule']).describe()}")
+
+
+def describe_copies(summary: dict) -> str:
+    """The tokens prompt groups spend on balance, beside the lock-step utilization they buy (nothing without them)."""
+    if "prompt_copy_tokens" not in summary:
+        return ""
+    return (f" with {summary['prompt_copy_tokens']:,} prompt tokens copied to spread groups over ranks "
+            f"({summary['prompt_copy_tokens'] / max(summary['tokens'], 1):.1%} of the tokens)")
 
 
 def export_on_end(setup: RunSetup) -> None:
@@ -212,6 +228,8 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
     writer = MetricsWriter(run, steps, start.global_step, resumed=resume is not None, plan_summary=summary)
     history = []
     timer = StepTimer()
+    profiler = StepProfiler(spec.outputs.profile_steps or 0, steps, start.global_step, spec.device_type,
+                            spec.outputs.profile_path if spec.layout.rank == 0 else None)
     global_step, bad_steps = start.global_step, start.bad_steps
     position = (start.epoch, start.epoch_step)  # plan position of the next step
     plans = run_plan(setup.prepared, spec.plan.config, setup.length.epochs, start_epoch=start.epoch,
@@ -222,10 +240,13 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
             if global_step >= steps:
                 break
             undo = trainer.hooks.step_begins(run, global_step + 1)
+            profiler.begin(global_step + 1)
             timer.begin()
-            metrics = trainer.train_step(plan, global_step + 1)
+            with profiler.range():
+                metrics = trainer.train_step(plan, global_step + 1)
             undo()
             seconds = timer.seconds()
+            profiler.end(global_step + 1)
             global_step += 1
             if reference_sync is not None:  # on schedule, skipped steps included (TRL's on_step_end), before eval/save
                 reference_sync.after_step(global_step)
@@ -260,7 +281,7 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
         if isinstance(error, RunAbortedError) or not is_collective_failure(error):
             raise
         raise PeerFailureError(
-            f"rank {spec.layout.rank}: a collective failed after step {global_step}: another rank died or stalled "
+            f"rank {spec.layout.rank}: a collective failed after step {global_step}: {lost_peers()} "
             f"longer than --collective-timeout-s {spec.collective_timeout_s:g}; relaunch with --resume auto to continue "
             f"from the last complete checkpoint ({first_line(error)})") from error
     finally:

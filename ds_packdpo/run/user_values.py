@@ -1,7 +1,8 @@
 """One rule for the values a DeepSpeed config and the flags can both give.
 
 The optimizer (type, lr, betas, eps, weight decay), the gradient clipping, the LR
-scheduler and its parameters, the precision, the batch keys and the monitors can be written in
+scheduler and its parameters, the precision, the batch keys, the monitors and ZeRO's communication
+(prefetch and reduce buckets, persistence threshold, overlap_comm) can be written in
 ``--ds-config`` or as flags (on the command line or in ``--config``).  The rule, as in
 the HF Trainer's DeepSpeed integration, where users learnt it:
 
@@ -245,6 +246,32 @@ def _take_monitors(raw: dict, taken: _Taken) -> None:
     taken.take("report_to", ",".join(enabled), "monitor sections' enabled")
 
 
+# zero_optimization's communication keys and the settings that give them (run/engines.ZeroSpec)
+ZERO_KEYS = {"stage3_prefetch_bucket_size": "zero_prefetch_bucket_size",
+             "stage3_param_persistence_threshold": "zero_param_persistence_threshold",
+             "reduce_bucket_size": "zero_reduce_bucket_size", "overlap_comm": "zero_overlap_comm"}
+
+
+def _take_zero(raw: dict, taken: _Taken) -> None:
+    """The ZeRO communication keys the config writes are the --zero-* settings (sizes count elements, as there)."""
+    zero = _section(raw, "zero_optimization", taken.source)
+    for key, setting in ZERO_KEYS.items():
+        if not _written(zero, key):
+            continue
+        value, where = zero[key], f"zero_optimization.{key}"
+        if setting == "zero_overlap_comm":
+            if not isinstance(value, bool):
+                raise InputError(f"--ds-config {taken.source}: '{where}' must be true, false or \"auto\", got "
+                                 f"{value!r}")
+        else:
+            value = _number(value, where, taken.source)
+            if value < 0 or value != int(value):
+                raise InputError(f"--ds-config {taken.source}: '{where}' must be a whole number >= 0, got {value!r}")
+            value = int(value)
+        taken.take(setting, value, where, repr(zero[key]))
+        zero[key] = "auto"
+
+
 def monitor_names(report_to: str | None) -> tuple[str, ...]:
     """--report-to as a list (in the order given, each once)."""
     return tuple(dict.fromkeys(name.strip() for name in (report_to or "").split(",") if name.strip()))
@@ -262,6 +289,7 @@ def take_user_values(settings: Mapping[str, object], given: frozenset[str], raw:
     _take_precision(raw, taken)
     _take_batch(raw, taken, dp_size)
     _take_monitors(raw, taken)
+    _take_zero(raw, taken)
     return taken.values, taken.keys, raw
 
 

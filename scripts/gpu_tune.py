@@ -1,0 +1,138 @@
+"""The tune stage of scripts/gpu_acceptance.sh: the train stage once per variant, each in its own process, and one table.
+
+    python scripts/gpu_tune.py OUT --variants default,compile --steps 4 --timeout-s 120 -- deepspeed ... --module \\
+        ds_packdpo.train FLAGS...
+
+Each variant is a row of :data:`VARIANTS`, or rows joined by '+': the flags it adds to the train command (a later flag
+wins over the same one earlier).  A variant runs ``--max-steps STEPS`` into ``OUT/VARIANT`` (no start-up guard: the matrix stage checks
+exactness); its figures are the means over its steps but the first (allocation, kernel selection, compilation).  A
+variant that fails or runs out of time is a row with its exit code and last line; the others still run.  OUT/tune.json
+holds every row, OUT/tune.md the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# name -> the flags the variant adds to the train stage's command (the first row is the baseline)
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "compile": ("--compile-layers",),
+    "liger": ("--liger-kernels",),
+    "logps=fused": ("--logps-impl", "fused"),
+    "logps=lean": ("--logps-impl", "lean"),
+    "row-budget=16k": ("--max-tokens-per-row", "16384"),
+    "row-budget=32k": ("--max-tokens-per-row", "32768"),
+    "row-budget=64k": ("--max-tokens-per-row", "65536"),
+    "zero3-prefetch=2e8": ("--zero-prefetch-bucket-size", "200000000"),
+    "zero3-persist=1e6": ("--zero-param-persistence-threshold", "1000000"),
+    "zero3-reduce-bucket=5e8": ("--zero-reduce-bucket-size", "500000000"),
+    "no-overlap-comm": ("--no-zero-overlap-comm",),
+    "activation-checkpointing": ("--gradient-checkpointing",),
+}
+FIGURES = ("tokens_per_s", "pairs_per_s", "mfu", "model_tflops_per_s")
+
+
+def variant_flags(names: list[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """Each name's flags: a row of :data:`VARIANTS`, or rows joined by '+' (compile+row-budget=32k: both)."""
+    unknown = [name for name in names if not all(part in VARIANTS for part in name.split("+"))]
+    if unknown:
+        raise SystemExit(f"error: TUNE_VARIANTS: {', '.join(unknown)} unknown (variants: {', '.join(VARIANTS)}, "
+                         f"or several joined by +)")
+    return [(name, tuple(flag for part in name.split("+") for flag in VARIANTS[part])) for name in names]
+
+
+def measure(metrics: list[dict]) -> dict:
+    """The means over the steps after the first, the peak memory over all."""
+    steps = [m for m in metrics if "step" in m and "loss" in m]
+    measured = steps[1:]
+    row = {key: (sum(m[key] for m in measured if m.get(key) is not None) / len(measured)
+                 if measured and any(m.get(key) is not None for m in measured) else None) for key in FIGURES}
+    return {**row, "steps": len(steps), "measured_steps": len(measured),
+            "peak_mem_mb": max((m.get("peak_mem_mb") or 0 for m in steps), default=None),
+            "losses": [m["loss"] for m in steps]}
+
+
+def run_variant(name: str, flags: tuple[str, ...], command: list[str], out: Path, steps: int, timeout_s: float) -> dict:
+    folder = out / name.replace("=", "_").replace("+", "_")
+    argv = [*command, *flags, "--max-steps", str(steps), "--skip-packing-check", "--output-dir", str(folder),
+            "--overwrite"]
+    started = time.perf_counter()
+    log = out / f"{folder.name}.log"
+    with log.open("w") as handle:
+        process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def end_variant(*_):  # the stage's own limit (SIGTERM from timeout): the variant's launcher and rank too
+            os.killpg(process.pid, signal.SIGKILL)
+            raise SystemExit(124)
+
+        signal.signal(signal.SIGTERM, end_variant)
+        try:
+            rc = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:  # the launcher and its rank, the whole session
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            rc = 124
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    try:
+        metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        metrics = []
+    row = {"variant": name, "flags": list(flags), "rc": rc, "seconds": round(time.perf_counter() - started, 1),
+           **measure(metrics)}
+    if rc != 0:
+        errors = [line for line in lines if line.startswith(("error:", "Traceback")) or "Error" in line]
+        row["error"] = (errors or lines or ["(no output)"])[-1][:300]
+    return row
+
+
+def describe(rows: list[dict]) -> list[str]:
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    base = rows[0].get("tokens_per_s") if rows else None
+    lines = ["| variant | flags | tokens/s | vs first | MFU | TFLOP/s | peak MB | steps | s | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None
+        lines.append(f"| {r['variant']} | {' '.join(r['flags']) or '-'} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
+                     f"{fmt(ratio, '.3f')} | {fmt(r.get('mfu'), '.3f')} | {fmt(r.get('model_tflops_per_s'), '.1f')} | "
+                     f"{fmt(r.get('peak_mem_mb'), ',.0f')} | {r['measured_steps']} | {r['seconds']} | {r['rc']} |")
+    lines += [f"- {r['variant']}: {r['error']}" for r in rows if r.get("error")]
+    return lines
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        raise SystemExit("usage: gpu_tune.py OUT --variants A,B [--steps N] [--timeout-s S] -- TRAIN COMMAND...")
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--variants", default="default")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="each variant's limit")
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1:]
+    variants = variant_flags([name for name in args.variants.replace(" ", ",").split(",") if name])
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, flags in variants:
+        rows.append(run_variant(name, flags, command, args.out, args.steps, args.timeout_s))
+        (args.out / "tune.json").write_text(json.dumps({"steps": args.steps, "command": command, "rows": rows},
+                                                       indent=1))
+        (args.out / "tune.md").write_text("\n".join(describe(rows)) + "\n")
+        print(json.dumps(rows[-1]), flush=True)
+    print("\n".join(describe(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
