@@ -142,7 +142,8 @@ def test_front_command_gives_the_ranks_this_venvs_extensions_folder(tmp_path, mo
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setattr(build_lock, "venv_extensions_dir", lambda: str(venv_folder))
     envs = []
-    monkeypatch.setattr(cli, "run_launcher", lambda cmd, env, grace_s: envs.append(env) or LaunchOutcome(0))
+    monkeypatch.setattr(cli, "run_launcher",
+                        lambda cmd, env, grace_s, on_line=None: envs.append(env) or LaunchOutcome(0))
     code = front_train(tmp_path, monkeypatch, demo_tokenizer)
     assert code == 0 and [env["TORCH_EXTENSIONS_DIR"] for env in envs] == [str(venv_folder)]
     building = [line for line in capsys.readouterr().err.splitlines() if line.startswith("building DeepSpeed")]
