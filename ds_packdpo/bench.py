@@ -45,7 +45,7 @@ from .command_settings import NOT_ACTED_ON, refused_epilog
 from .comparisons import GROUPS_OFF, headline
 from .config import FlagParser, add_arguments, config_from_args
 from .console import progress_bar, said_already
-from .data.run_plan import run_length, run_plan
+from .data.run_plan import prompt_groups_of, run_length, run_plan
 from .errors import InputError, run_guarded
 from .files import check_output_folder
 from .model.build import ModelSpec, tiny_config
