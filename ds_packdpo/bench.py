@@ -45,8 +45,7 @@ from .command_settings import NOT_ACTED_ON, refused_epilog
 from .comparisons import GROUPS_OFF, headline
 from .config import FlagParser, add_arguments, config_from_args
 from .console import progress_bar, said_already
-from .data.plan import steps_per_epoch
-from .data.run_plan import prompt_groups_of, run_plan
+from .data.run_plan import prompt_groups_of, run_length, run_plan
 from .errors import InputError, run_guarded
 from .files import check_output_folder
 from .model.build import ModelSpec, tiny_config
@@ -209,7 +208,8 @@ def measure_round(name: str, setup: RunSetup, warmup_steps: int) -> RoundResult:
         steps = []
         bar = progress_bar(warmup_steps + measured, f"bench {name}", "step", layout.rank == 0 and spec.outputs.progress)
         # Every rank holds the whole plan, so rank 0's records carry every data-parallel share's load.
-        for index, plan in enumerate(run_plan(setup.prepared, spec.plan.config, spec.plan.epochs)):
+        epochs = run_length(spec.plan, setup.prepared, warmup_steps + measured).epochs
+        for index, plan in enumerate(run_plan(setup.prepared, spec.plan.config, epochs)):
             if index >= warmup_steps + measured:
                 break
             timer.begin()
@@ -336,14 +336,12 @@ def model_summary(model: ModelSpec, setup: RunSetup) -> dict:
 
 
 def check_enough_steps(setup: RunSetup, warmup_steps: int) -> None:
-    lengths = (setup.prepared.chosen_lengths, setup.prepared.rejected_lengths)
     plan = setup.spec.plan
-    available = sum(steps_per_epoch(*lengths, plan.config, epoch=e, groups=prompt_groups_of(setup.prepared))
-                    for e in range(plan.epochs))
+    available = run_length(plan, setup.prepared, warmup_steps + plan.max_steps).steps  # --epochs given: they cap it
     if available < warmup_steps + plan.max_steps:
         raise InputError(f"--max-steps {plan.max_steps} + --bench-warmup-steps {warmup_steps}: the data holds only "
-                         f"{available} steps of {plan.config.global_batch_pairs or '--tokens-per-step'} pairs "
-                         f"(use fewer steps, more --epochs or a smaller batch)")
+                         f"{available} steps of {plan.config.global_batch_pairs or '--tokens-per-step'} pairs in "
+                         f"--epochs {plan.epochs} (use fewer steps, more --epochs, or leave --epochs out)")
 
 
 def configuration_flags(flags, name: str, first: RunSetup):

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Callable
 
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, parse_train_args
-from .console import launcher_options, rank_environment
+from .console import launcher_options, quiet_libraries, rank_environment
 from .data.plan import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
-from .data.run_plan import checked_plan_config, prompt_groups_of, run_plan
+from .data.run_plan import checked_plan_config, prompt_groups_of, run_length, run_plan
 from .data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from .errors import InputError, PeerFailureError, StoppedError, run_guarded
 from .files import check_output_file, check_output_folder
-from .run.build_lock import remove_stale_locks
+from .run.build_lock import remove_stale_locks, say_if_comm_op_unbuilt, use_venv_extensions
 from .run.launch_group import LaunchOutcome, run_launcher
 from .run.layout import ParallelLayout, free_port
 
@@ -46,6 +46,8 @@ def _launch(argv: list[str], procs: int, master_port: int | None, module: str, v
     # with DS_ACCELERATOR=cpu on a machine without CUDA (_cpu_unless_cuda)
     device_type = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda"
     env = rank_environment({**os.environ, **(extra_env or {})}, procs, device_type)
+    if device_type == "cpu":
+        say_if_comm_op_unbuilt()
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, *launcher_options(verbose), "--num_gpus", str(procs), "--master_port",
            str(master_port or free_port()), "--module", module, *argv]
@@ -103,7 +105,9 @@ def _data_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def prepare_parser() -> argparse.ArgumentParser:
-    parser = _data_parser("ds-packdpo prepare", "Tokenize and validate a preference dataset; print a JSON summary.")
+    parser = _data_parser("ds-packdpo prepare", "Tokenize and validate a preference dataset into the cache a run with "
+                          "the same data settings reads (give train's --config RECIPE to fill the cache of that "
+                          "recipe); print a JSON summary, the cache file among it.")
     parser.add_argument("--out", default=None, help="Write the tokenized pairs as JSON lines (an existing file only "
                         "with --overwrite).")
     return parser
@@ -122,8 +126,13 @@ def cmd_prepare(argv: list[str]) -> int:
             summary = run_prepare(data.tokenization, tokenizer, args.out, rows=rows)
         else:
             prepared = prepare_pairs(data.tokenization, tokenizer, rows=rows)
-            summary = {**prepared.summary, "fingerprint": prepared.fingerprint}
+            summary = {**prepared.summary, "fingerprint": prepared.fingerprint,
+                       "cache": [str(f) for f in data.tokenization.cache_files(prepared.fingerprint)]}
         print(json.dumps(summary, indent=2))
+        if summary["cache"]:
+            shards = f" and {len(summary['cache']) - 1} more shards" if len(summary["cache"]) > 1 else ""
+            print(f"cache: {summary['cache'][0]}{shards} (train, bench, eval and precompute-ref with these data "
+                  f"settings read it)", file=sys.stderr)
         return 0
 
     return run_guarded(job)
@@ -154,10 +163,11 @@ def cmd_pack_stats(argv: list[str]) -> int:
         tokenizer, rows = tokenizer_and_rows(data)
         prepared, _ = split_held_out(evaluation, tokenizer, prepare_run_data(data.tokenization, tokenizer, rows))
         plan_cfg = checked_plan_config(plan, layout.sp_size, prepared)  # what trains
-        stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=plan.epochs,
+        epochs = run_length(plan, prepared).epochs  # --max-steps may extend them, as in training
+        stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=epochs,
                            prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
         if args.plan_out:
-            write_plan_jsonl(run_plan(prepared, plan_cfg, plan.epochs), args.plan_out,
+            write_plan_jsonl(run_plan(prepared, plan_cfg, epochs), args.plan_out,
                              pair_ids=prepared.pair_ids)
         print(json.dumps({"dataset": data.tokenization.dataset, "layout": layout.as_dict(), **stats,
                           "data": {k: prepared.summary[k] for k in ("rows", "kept", "dropped")}}, indent=2))
@@ -202,6 +212,7 @@ def _distributed_command(argv: list[str], module: str, rank_main: Callable[[list
         """Phase one runs here too, so bad input fails before any rank starts."""
         _check_procs(procs, launch.master_port)
         validated.append(validate(rest, procs))
+        use_venv_extensions()  # the ranks find DeepSpeed's CPU comm op where `make install` built it
         remove_stale_locks()  # a stale one would hang every rank in init_distributed, with no output
         return 0
 
@@ -349,6 +360,7 @@ def cmd_export(argv: list[str]) -> int:
     def job() -> int:
         from .run.export import export_checkpoint
 
+        quiet_libraries(verbose=False)  # no library's FutureWarning (transformers' on a model folder's config)
         print(json.dumps(export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite,
                                            trust_remote_code=args.trust_remote_code, adapter_only=args.adapter_only,
                                            max_shard_size=args.max_shard_size)))

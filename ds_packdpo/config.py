@@ -77,7 +77,7 @@ FRACTION = Range(0, 1, high_open=True)  # [0, 1)
 RANGES: dict[str, Range] = {
     **dict.fromkeys(("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight",
                      "zero_prefetch_bucket_size", "zero_param_persistence_threshold"), AT_LEAST_0),
-    **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "num_proc",
+    **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "tokenize_procs",
                      "sequence_parallel_size", "logging_steps", "max_tokens_per_row", "global_batch_pairs",
                      "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs", "eval_steps", "eval_max_pairs",
                      "save_steps", "save_total_limit", "max_bad_steps", "ref_model_sync_steps", "profile_steps",
@@ -154,7 +154,7 @@ class TrainConfig:
     max_prompt_length: int | None = _opt("Maximum prompt tokens (the prompt is cut from the left).")
     max_pairs: int | None = _opt("Use only the first N valid pairs of the dataset.")
     on_bad_row: str = _opt("What to do with a malformed dataset row.", "error", ("error", "skip"))
-    num_proc: int = _opt("Processes for tokenization.", 1)
+    tokenize_procs: int = _opt("Processes for tokenization (datasets' num_proc; not --num-procs, the ranks).", 1)
     cache_dir: str | None = _opt("Tokenization cache folder (default ~/.cache/ds_packdpo).")
     # --- plan ---
     max_tokens_per_row: int | None = _opt(
@@ -176,8 +176,10 @@ class TrainConfig:
                                "step (exact); --no-prompt-groups lays out each pair alone.", True)
     drop_last: bool = _opt("Drop the last incomplete step of every epoch.", False)
     attention_weight: float = _opt("Balance ranks on tokens + W * sum of squared sequence lengths.", 0.0)
-    epochs: int = _opt("Passes over the data.", 1)
-    max_steps: int | None = _opt("Stop after this many optimizer steps.")
+    epochs: int = _opt("Passes over the data. Left out, as many as --max-steps needs (default 1).", 1)
+    max_steps: int | None = _opt("Stop after this many optimizer steps. Without --epochs it runs them all, passing "
+                                 "over the data again when one pass holds fewer; with --epochs, at most the steps of "
+                                 "those epochs (the plan line says when they cap it).")
     seed: int = _opt("Seed for the plan, the model init and everything random.", 0)
     # --- optimisation and loss ---
     optimizer: str = _opt("Optimizer: a DeepSpeed optimizer (AdamW, Adam, Lamb, Lion, ...) or a torch.optim class name "
@@ -341,7 +343,7 @@ class TrainConfig:
             dataset=self.dataset or "synthetic", split=self.split, format=self.format,
             prompt_column=self.prompt_column, chosen_column=self.chosen_column, rejected_column=self.rejected_column,
             conversations_column=self.conversations_column, max_length=self.max_length,
-            max_prompt_length=self.max_prompt_length, on_bad_row=self.on_bad_row, num_proc=self.num_proc,
+            max_prompt_length=self.max_prompt_length, on_bad_row=self.on_bad_row, tokenize_procs=self.tokenize_procs,
             cache_dir=self.cache_dir, max_pairs=self.max_pairs, pairs_from=self.pairs_from, progress=self.progress)
         return DataSpec(tokenization, synthetic_pairs=self.synthetic_pairs if self.dataset is None else None,
                         tokenizer=self.tokenizer, model=self.model, revision=self.revision,
@@ -390,7 +392,8 @@ class TrainConfig:
                             global_batch_pairs=by_pairs, tokens_per_step=self.tokens_per_step,
                             drop_last=self.drop_last, attention_weight=self.attention_weight, layout=row_layout,
                             micro_batch_pairs=self.micro_batch_pairs)
-        return PlanSpec(config, row_budget=budget, epochs=self.epochs, max_steps=self.max_steps)
+        return PlanSpec(config, row_budget=budget, epochs=self.epochs, max_steps=self.max_steps,
+                        epochs_given=self.is_given("epochs"))
 
     def validate(self, unused: frozenset[str] = frozenset()) -> None:
         """The flags as typed, in every command: each value's type, choice and range (:data:`RANGES`), a setting
@@ -481,6 +484,23 @@ class FlagParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}{'; ' if hints else ''}{'; '.join(hints)}\n")
 
 
+# Settings renamed: the old name (a flag, a --config key) is refused with a pointer to the new one.
+RENAMED = {"num_proc": ("tokenize_procs", "tokenization processes; --num-procs is the ranks a front command starts")}
+
+
+def renamed(name: str) -> str:
+    """The one-line pointer of a renamed setting (``name``: its old field name)."""
+    new, what = RENAMED[name]
+    return f"--{flag(name)} is now --{flag(new)} ({what})"
+
+
+class _Renamed(argparse.Action):
+    """An old flag: refused, pointing at its new name."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(renamed(self.dest))
+
+
 def add_arguments(parser: argparse.ArgumentParser, config_cls=TrainConfig) -> None:
     """Adds one flag per field; defaults are None so a config file can fill what the command line left out."""
     for f in flag_fields(config_cls):
@@ -492,6 +512,9 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls=TrainConfig) -> No
             if f.metadata.get("choices"):
                 kwargs["choices"] = f.metadata["choices"]
             parser.add_argument(f"--{flag(f.name)}", type=tp, **kwargs)
+    for old in RENAMED:
+        parser.add_argument(f"--{flag(old)}", action=_Renamed, nargs="?", dest=old, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
     # The deepspeed launcher appends --local_rank=N; the rank also lives in LOCAL_RANK.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -586,8 +609,12 @@ def load_config_file(path: str, config_cls=TrainConfig) -> dict:
         name = key.replace("-", "_")
         if name == "config" and value is None:
             continue  # run_config.json of an earlier version
+        if name in RENAMED:
+            raise InputError(f"--config {path}: key '{key}' is now '{RENAMED[name][0]}' ({RENAMED[name][1]})")
         if name not in fields or name == "config":
-            hint = "; a settings file cannot name another" if name == "config" else ""
+            close = difflib.get_close_matches(name, [known for known in fields if known != "config"], n=1)
+            hint = ("; a settings file cannot name another" if name == "config"
+                    else f"; did you mean '{close[0]}'?" if close else "")
             raise InputError(f"--config {path}: unknown key '{key}'{hint}")
         f = fields[name]
         values[name] = _coerce(key, value, _field_type(f), f"--config {path}")

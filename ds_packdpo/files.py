@@ -40,14 +40,36 @@ def fsync_tree(path) -> None:
         fsync_dir(folder)
 
 
+def _umask() -> int:
+    """This process's umask (the OS offers no read alone: set and put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path) -> None:
+    """A file, or every file and folder below a folder (itself included), with the permissions the user's umask gives
+    new ones (0666, or 0777 for folders and executables, less the umask): a temporary file (mkstemp's) and what
+    safetensors writes are 0600, so others could not read an export in a shared cluster folder."""
+    mask = _umask()
+    path = Path(path)
+    for entry in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        mode = entry.lstat().st_mode
+        if entry.is_symlink():
+            continue
+        full = 0o777 if entry.is_dir() or mode & 0o111 else 0o666
+        os.chmod(entry, full & ~mask)
+
+
 def atomic_write(path, write: Callable[[str], object]) -> None:
     """``write(temporary_path)`` beside ``path``, synced, then a rename: a crash leaves the old file or none, never
-    half, and a power loss after the return cannot undo it."""
+    half, and a power loss after the return cannot undo it.  The file follows the umask (:func:`follow_umask`)."""
     path = Path(path)
     handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
     handle.close()
     try:
         write(handle.name)
+        follow_umask(handle.name)
         fsync_tree(handle.name)
         os.replace(handle.name, path)
     except BaseException:
@@ -58,13 +80,14 @@ def atomic_write(path, write: Callable[[str], object]) -> None:
 
 def atomic_folder(out, fill: Callable[[Path], object]) -> None:
     """``fill(staging_folder)`` beside ``out``, synced, then renamed to ``out`` (an existing ``out`` is replaced):
-    readers see the old folder or the complete new one, never a part."""
+    readers see the old folder or the complete new one, never a part.  Its files and folders follow the umask."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
     staging.mkdir()  # with the umask's permissions, as out would have (mkdtemp's are 0700)
     try:
         fill(staging)
+        follow_umask(staging)
         fsync_tree(staging)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))

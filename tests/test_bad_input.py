@@ -11,6 +11,7 @@ the front command and through the rank entry ``python -m ds_packdpo.train``.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -137,12 +138,16 @@ def _incompatible_checkpoint(tmp_path: Path) -> str:
 
 
 BAD_CONFIGS = {
-    "unknown key": (lambda d: ["--config", _config_file(d, {"max_lenght": 64})], "unknown key 'max_lenght'"),
+    "unknown key": (lambda d: ["--config", _config_file(d, {"max_lenght": 64})],
+                    "unknown key 'max_lenght'; did you mean 'max_length'?"),
     "wrong type": (lambda d: ["--config", _config_file(d, {"max_length": "long"})],
                    "key 'max_length' must be int, got str 'long'"),
     "config not JSON": (lambda d: ["--config", _config_file(d, "{max_length: 64")], "not valid JSON"),
+    "renamed key": (lambda d: ["--config", _config_file(d, "num_proc: 2\n", "yaml")],
+                    "settings.yaml: key 'num_proc' is now 'tokenize_procs' (tokenization processes; --num-procs is the "
+                    "ranks a front command starts)"),
     "unknown key in YAML": (lambda d: ["--config", _config_file(d, "max_lenght: 64\n", "yaml")],
-                            "settings.yaml: unknown key 'max_lenght'"),
+                            "settings.yaml: unknown key 'max_lenght'; did you mean 'max_length'?"),
     "wrong type in YAML": (lambda d: ["--config", _config_file(d, "max_length: [64]\n", "yaml")],
                            "settings.yaml: key 'max_length' must be int, got list [64]"),
     "config not YAML": (lambda d: ["--config", _config_file(d, "max_length: [64\n", "yml")],
@@ -387,15 +392,15 @@ def test_export_names_the_unreadable_shard(tmp_path, out_dir, demo_tokenizer, ca
     assert snapshot(out_dir) == before
 
 
-def test_train_phase_one_warns_when_ranks_idle(tmp_path, out_dir, tokenizer_dir):
+def test_train_phase_one_warns_when_ranks_idle(tmp_path, out_dir, tokenizer_dir, capsys):
     """Not an error, but said before the launch: 1 pair per step on 2 ranks leaves one rank idle."""
     from ds_packdpo.config import parse_train_args
     from ds_packdpo.run.assemble import prepare
 
-    with pytest.warns(UserWarning, match="1 pairs per step for 2 data-parallel ranks: 1 ranks get no pair .* at most "
-                                         "50% of the ranks' compute"):
-        prepare(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--global-batch-pairs", "1"]),
-                world_size=2)
+    prepare(parse_train_args([*base_flags(tmp_path, out_dir, tokenizer_dir), "--global-batch-pairs", "1"]),
+            world_size=2)
+    assert re.search("^warning: 1 pairs per step for 2 data-parallel ranks: 1 ranks get no pair .* at most 50% of the "
+                     "ranks' compute", capsys.readouterr().err, re.M)
 
 
 @pytest.mark.parametrize("command", ["train", "prepare", "bench"])
@@ -407,6 +412,10 @@ def test_a_typo_or_an_abbreviation_is_one_line_naming_the_flag(command, no_launc
             cli.main([command, typed, "64"])
         assert_one_line_error(exit_.value.code, capsys.readouterr().err,
                               f"unrecognized arguments: {typed} 64; {typed}: did you mean --max-length?")
+    with pytest.raises(SystemExit) as exit_:  # a renamed flag: refused, pointing at its new name
+        cli.main([command, "--num-proc", "2"])
+    assert_one_line_error(exit_.value.code, capsys.readouterr().err, "--num-proc is now --tokenize-procs (tokenization "
+                          "processes; --num-procs is the ranks a front command starts)")
 
 
 def test_a_missing_relative_model_folder_is_said_at_once(tmp_path, out_dir, tokenizer_dir, no_launch, capsys,

@@ -56,18 +56,23 @@ def test_extensions_root_follows_the_environment(tmp_path, monkeypatch):
     assert build_lock.extensions_root() == tmp_path / "cache" / "torch_extensions"
 
 
+def front_train(tmp_path, monkeypatch, demo_tokenizer) -> int:
+    """``ds-packdpo train`` of 16 synthetic pairs in-process, outside a launcher (the launch itself stubbed)."""
+    for key in cli.LAUNCHED_ENV:
+        monkeypatch.delenv(key, raising=False)
+    demo_tokenizer.save_pretrained(tmp_path / "tok")
+    return cli.main(["train", "--num-procs", "2", "--output-dir", str(tmp_path / "out"), "--cache-dir",
+                     str(tmp_path / "cache"), "--tokenizer", str(tmp_path / "tok"), "--max-length", "128",
+                     "--synthetic-pairs", "16"])
+
+
 def test_front_command_removes_a_stale_lock_and_launches(tmp_path, monkeypatch, capsys, demo_tokenizer):
     """``ds-packdpo train`` with a stale lock of DeepSpeed's comm extension: one warning, then the launch."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     lock = make_lock(tmp_path / "ext", "deepspeed_shm_comm", 3600)
     launched = []
     monkeypatch.setattr(cli, "_launch", lambda argv, procs, port, module, **kwargs: launched.append((procs, module)) or 0)
-    for key in cli.LAUNCHED_ENV:
-        monkeypatch.delenv(key, raising=False)
-    demo_tokenizer.save_pretrained(tmp_path / "tok")
-    code = cli.main(["train", "--num-procs", "2", "--output-dir", str(tmp_path / "out"), "--cache-dir",
-                     str(tmp_path / "cache"), "--tokenizer", str(tmp_path / "tok"), "--max-length", "128",
-                     "--synthetic-pairs", "16"])
+    code = front_train(tmp_path, monkeypatch, demo_tokenizer)
     assert code == 0 and launched == [(2, "ds_packdpo.train")]
     assert not lock.exists()
     assert f"warning: removed the stale torch extension build lock {lock}" in capsys.readouterr().err
@@ -119,3 +124,29 @@ def test_a_rank_with_a_stale_lock_of_the_comm_extension_trains(tmp_path):
     assert f"warning: removed the stale torch extension build lock {lock}" in proc.stderr
     assert not lock.exists()
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_front_command_gives_the_ranks_this_venvs_extensions_folder(tmp_path, monkeypatch, capsys, demo_tokenizer,
+                                                                    built):
+    """Without TORCH_EXTENSIONS_DIR a plain ``ds-packdpo train`` gives its ranks the venv's folder, where ``make
+    install`` built DeepSpeed's CPU comm op (torch's default folder made every rank build it again, silently); when
+    the op is not there yet, one line says the ranks build it and how long that takes."""
+    from ds_packdpo.run.launch_group import LaunchOutcome
+
+    venv_folder = tmp_path / "venv_ext"
+    if built:
+        (venv_folder / "deepspeed_shm_comm").mkdir(parents=True)
+        (venv_folder / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").touch()
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setattr(build_lock, "venv_extensions_dir", lambda: str(venv_folder))
+    envs = []
+    monkeypatch.setattr(cli, "run_launcher",
+                        lambda cmd, env, grace_s, on_line=None: envs.append(env) or LaunchOutcome(0))
+    code = front_train(tmp_path, monkeypatch, demo_tokenizer)
+    assert code == 0 and [env["TORCH_EXTENSIONS_DIR"] for env in envs] == [str(venv_folder)]
+    building = [line for line in capsys.readouterr().err.splitlines() if line.startswith("building DeepSpeed")]
+    assert building == ([] if built else [
+        f"building DeepSpeed's CPU communication op (deepspeed_shm_comm) into {venv_folder}: once, about 1-3 "
+        f"minutes; later runs load it"])

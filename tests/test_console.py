@@ -39,7 +39,8 @@ def test_a_run_prints_its_plan_progress_and_last_line_only(tmp_path):
     assert [line.split(":")[0] for line in lines] == ["plan", "trainable parameters", "step 2/3", "step 3/3", "done"]
     assert lines[-2].startswith(f"step 3/3: loss {records[2]['loss']:.4f}, acc ")
     assert lines[-1].startswith(f"done: 3 steps (to step 3) in ") and f"loss {records[0]['loss']:.4f} -> " \
-        f"{records[2]['loss']:.4f}" in lines[-1] and lines[-1].endswith(f"metrics in {out / 'metrics.jsonl'}")
+        f"{records[2]['loss']:.4f} (step 1 -> step 3)" in lines[-1] and \
+        lines[-1].endswith(f"metrics in {out / 'metrics.jsonl'}")
 
 
 def test_the_launch_is_quiet_and_shares_the_cores(monkeypatch):
@@ -121,3 +122,38 @@ def test_long_work_has_a_bar_that_no_progress_hides(capfd):
         calls = [node for node in ast.walk(ast.parse((package / module).read_text()))
                  if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "progress_bar"]
         assert len(calls) == 1, module
+
+
+def test_the_done_line_compares_windows_of_steps_and_says_which():
+    """A resume's `done: loss 0.2395 -> 0.4699` compared two single steps and read as a regression: the line now
+    compares the means of the first and last windows (up to 10 steps, never overlapping) and names their steps."""
+    from ds_packdpo.run.metrics import loss_change
+
+    history = [{"step": 40 + i, "loss": loss} for i, loss in enumerate([0.5, 0.3, 0.4, 0.2, 0.1, 0.45])]
+    assert loss_change(history) == "loss 0.4000 -> 0.2500 (mean of steps 40-42 -> steps 43-45)"
+    long = [{"step": s, "loss": 1.0 if s <= 10 else 0.5 if s <= 30 else 0.25} for s in range(1, 41)]
+    assert loss_change(long) == "loss 1.0000 -> 0.2500 (mean of steps 1-10 -> steps 31-40)"
+    assert loss_change(history[:2]) == "loss 0.5000 -> 0.3000 (step 40 -> step 41)"
+    assert loss_change(history[:1]) == "loss 0.5000 (step 40)"
+    skipped = [*history[:3], {"step": 43, "loss": float("nan")}, *history[4:]]  # a bad step's loss is left out
+    assert loss_change(skipped) == "loss 0.4000 -> 0.2750 (mean of steps 40-42 -> steps 43-45)"
+
+
+def test_export_shows_no_librarys_future_warning(tmp_path, monkeypatch, capsys):
+    """`ds-packdpo export` of a LoRA checkpoint showed transformers' FutureWarning (`is_gradient_checkpointing` is
+    deprecated); the export runs with the libraries' FutureWarnings off, as every training command does (the real
+    export: tests/test_lora.py's multi-rank test)."""
+    import warnings
+
+    from ds_packdpo.run import export
+
+    def warns(*args, **kwargs):
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+        return {"written": "adapter"}
+
+    monkeypatch.setattr(export, "export_checkpoint", warns)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf")]) == 0
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert capsys.readouterr().out == '{"written": "adapter"}\n'

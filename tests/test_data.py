@@ -440,24 +440,25 @@ def test_max_pairs_keeps_the_first_valid_rows(dataset_writer, demo_tokenizer, ca
     assert (summary["kept"], summary["beyond_max_pairs"], summary["dropped"]) == (3, 2, {"null_field": 1})
 
 
-def test_identical_chosen_and_rejected_warns_and_is_kept(dataset_writer, demo_tokenizer, cache_dir):
+def test_identical_chosen_and_rejected_warns_and_is_kept(dataset_writer, demo_tokenizer, cache_dir, capsys):
     rows = standard_rows(3)
     rows[1]["rejected"] = rows[1]["chosen"]
-    with pytest.warns(UserWarning, match="1 pairs have identical chosen and rejected"):
-        prepared = prepare_pairs(DataConfig(str(dataset_writer(rows, "json")), cache_dir=cache_dir), demo_tokenizer)
+    path = dataset_writer(rows, "json")
+    prepared = prepare_pairs(DataConfig(str(path), cache_dir=cache_dir), demo_tokenizer)
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")] == [
+        f"warning: {path}: 1 pairs have identical chosen and rejected completions; kept, but they teach nothing"]
     assert prepared.summary["identical_chosen_rejected"] == 1
     assert prepared.summary["kept"] == 3
 
 
 def test_duplicate_pairs_and_prompts_ending_with_the_assistant_are_counted_and_warned(dataset_writer, demo_tokenizer,
-                                                                                    cache_dir):
+                                                                                    cache_dir, capsys):
     rows = rows_in("conversational")
     rows.append(json.loads(json.dumps(rows[0])))  # an exact repeat
     rows[1]["prompt"] = rows[1]["prompt"] + assistant("And a follow-up.")  # the split is one turn late
     path = dataset_writer(rows, "jsonl")
-    with pytest.warns(UserWarning) as caught:
-        prepared = prepare_pairs(DataConfig(str(path), cache_dir=cache_dir), demo_tokenizer)
-    messages = [str(w.message) for w in caught]
+    prepared = prepare_pairs(DataConfig(str(path), cache_dir=cache_dir), demo_tokenizer)
+    messages = [line.removeprefix("warning: ") for line in capsys.readouterr().err.splitlines()]
     assert f"{path}: 1 pairs repeat an earlier pair exactly (prompt, chosen and rejected); kept, so those pairs " \
            "weigh double" in messages
     assert any(m.startswith(f"{path}: 1 prompts end with an assistant turn") for m in messages)
@@ -568,7 +569,7 @@ def test_second_call_hits_the_cache(dataset_writer, demo_tokenizer, cache_dir, m
 def test_parallel_tokenization_matches_serial(demo_tokenizer, tmp_path):
     rows = rows_in("sharegpt") * 10
     serial = prepare_pairs(DataConfig("mem", cache_dir=str(tmp_path / "a")), demo_tokenizer, rows=rows)
-    parallel = prepare_pairs(DataConfig("mem", num_proc=2, cache_dir=str(tmp_path / "b")), demo_tokenizer, rows=rows)
+    parallel = prepare_pairs(DataConfig("mem", tokenize_procs=2, cache_dir=str(tmp_path / "b")), demo_tokenizer, rows=rows)
     assert parallel.fingerprint == serial.fingerprint
     assert pair_ids(parallel) == pair_ids(serial) and parallel.summary == serial.summary
     assert len(list((tmp_path / "b").glob("pairs-*_of_00002.arrow"))) == 2
@@ -588,7 +589,8 @@ def test_write_pairs_jsonl_round_trips_and_never_half_writes(dataset_writer, dem
     out = tmp_path / "out" / "pairs.jsonl"
     summary = run_prepare(cfg, demo_tokenizer, out)
     prepared = prepare_pairs(cfg, demo_tokenizer)
-    assert summary == {**prepared.summary, "fingerprint": prepared.fingerprint, "output": str(out)}
+    assert summary == {**prepared.summary, "fingerprint": prepared.fingerprint, "output": str(out),
+                       "cache": [str(cfg.cache_file(prepared.fingerprint))]}
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines == [{k: row[k] for k in ("pair_id", "prompt_ids", "chosen_ids", "rejected_ids")} for row in prepared.dataset]
 

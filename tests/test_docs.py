@@ -79,3 +79,20 @@ def test_every_relative_link_and_anchor_resolves(page):
         elif anchor and resolved.suffix == ".md" and anchor not in github_anchors(resolved):
             broken.append(f"{target}: no heading with anchor #{anchor} in {resolved.name}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_getting_started_quotes_the_plan_line_make_demo_prints_today(tmp_path, no_launch, capsys):
+    """getting-started quoted a stale demo plan line (58 steps, no prompt groups): the Makefile's demo flags, planned
+    here (--dry-run plans as the run does), print the line the page quotes."""
+    import shlex
+
+    from ds_packdpo import cli
+
+    recipe = (ROOT / "Makefile").read_text().split("ds-packdpo train ", 1)[1].split("\n\t$(PY)", 1)[0]
+    flags = shlex.split(recipe.replace("\\\n", " "))
+    flags[flags.index("--output-dir") + 1] = str(tmp_path / "demo")
+    assert cli.main(["train", *flags, "--cache-dir", str(tmp_path / "cache"), "--num-procs", "2", "--dry-run"]) == 0
+    printed = capsys.readouterr().out.splitlines()[0]
+    page = " ".join((ROOT / "docs" / "getting-started.md").read_text().split())
+    quoted = re.search(r"its first line `(plan: [^`]*)`", page).group(1)
+    assert quoted == printed

@@ -110,3 +110,19 @@ def test_a_lora_estimate_counts_optimizer_states_of_the_adapters_alone(tmp_path,
     assert lora["reference_weights"] == 0  # the reference is the policy with its adapters off
     line = describe_estimate(lora)
     assert f"{trainable:,} trainable of {total:,} parameters over 2 ranks, their optimizer states " in line
+
+
+def test_max_steps_extends_the_default_epochs_and_given_epochs_cap_it_said(tmp_path, no_launch, capsys):
+    """48 pairs of 12 per step: 4 steps an epoch.  --max-steps 6 alone runs 6 (a second pass over the data planned);
+    with --epochs 1 the epoch caps it at 4, and the plan line says so (it ran 4 of 6 without a word)."""
+    flags = ["train", "--output-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"),
+             "--synthetic-pairs", "48", "--global-batch-pairs", "12", "--max-length", "96", "--num-procs", "2",
+             "--dry-run", "--max-steps", "6"]
+    assert cli.main(flags) == 0
+    assert capsys.readouterr().out.startswith("plan: 72 pairs in 6 steps (48 training pairs), ")
+    assert cli.main([*flags, "--epochs", "1"]) == 0
+    assert capsys.readouterr().out.startswith(
+        "plan: 48 pairs in 4 steps (--epochs 1 holds only these of --max-steps 6; leave --epochs out to run them all) "
+        "(48 training pairs), ")
+    assert cli.main([*flags, "--epochs", "2"]) == 0  # the epochs hold more: --max-steps cuts, nothing to say
+    assert capsys.readouterr().out.startswith("plan: 72 pairs in 6 steps (48 training pairs), ")

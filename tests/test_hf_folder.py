@@ -84,3 +84,25 @@ def test_writer_refuses_weights_of_another_model(tmp_path, tied_model, tokenizer
     with pytest.raises(InputError, match="--max-shard-size 12: not a size such as 5GB"):
         write_hf_folder(tmp_path / "out", in_memory_weights(state), tied_model.config, tokenizer, torch.float32, "12")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_every_file_written_follows_the_umask(tmp_path, tied_model, tokenizer, umask):
+    """safetensors wrote model*.safetensors (and peft's adapter_model.safetensors, through the same atomic_folder)
+    0600 while the rest of the folder was 0644: on a shared cluster folder others could not read the weights.  Every
+    file of a written folder, and a file written whole (atomic_write: mkstemp's 0600), now follows the umask."""
+    import os
+
+    from ds_packdpo.files import atomic_write
+
+    previous = os.umask(umask)
+    try:
+        write_hf_folder(tmp_path / "out", in_memory_weights(tied_model.state_dict()), tied_model.config, tokenizer,
+                        torch.float32, SHARD)
+        atomic_write(tmp_path / "one.json", lambda temporary: open(temporary, "w").write("{}"))
+    finally:
+        os.umask(previous)
+    files = [*(tmp_path / "out").iterdir(), tmp_path / "one.json"]
+    assert any(f.name.endswith(".safetensors") for f in files)
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: oct(0o666 & ~umask) for f in files}
+    assert oct((tmp_path / "out").stat().st_mode & 0o777) == oct(0o777 & ~umask)

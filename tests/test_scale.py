@@ -115,6 +115,8 @@ def test_total_steps_come_from_the_plan(tmp_path):
     assert steps("--global-batch-pairs", "8") == 5
     assert steps("--global-batch-pairs", "8", "--epochs", "3") == 15
     assert steps("--global-batch-pairs", "8", "--epochs", "3", "--max-steps", "7") == 7
+    assert steps("--global-batch-pairs", "8", "--max-steps", "7") == 7  # without --epochs: a second pass planned
+    assert steps("--global-batch-pairs", "8", "--epochs", "1", "--max-steps", "7") == 5  # given, the epoch caps it
     setup = prepare(parse_train_args([*base, "--tokens-per-step", "2000", "--epochs", "2"]), "train", world_size=2)
     assert setup.schedule.total_steps == sum(1 for _ in run_plan(setup.prepared, setup.spec.plan.config, 2)) > 2
 

@@ -43,26 +43,31 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 @pytest.mark.multirank
-def test_sigterm_to_train_stops_every_rank_saved_and_resume_continues(tmp_path, capsys):
+def test_sigint_to_train_stops_every_rank_saved_and_resume_continues(tmp_path, capsys):
+    """Ctrl-C's SIGINT (SIGTERM, a scheduler's, takes the same path; a rank's own SIGTERM: the next test): the ranks
+    get the signal the front process received, so the stopped: line names it, and the launcher's error line of a
+    rank's exit 7 (a clean stop) is not passed on."""
     argv = flags(tmp_path, "run", "--save-dir", str(tmp_path / "ckpt"))  # no --save-steps: the stop alone saves
     with subprocess.Popen(front(*argv), cwd=REPO, env=cpu_env(**{WAIT_FOR_STOP_ENV: str(STOP_AT)}), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True) as proc:
         try:
             wait_for_step(tmp_path / "run" / "metrics.jsonl", STOP_AT - 1, proc)
             sent = time.monotonic()
-            proc.send_signal(signal.SIGTERM)  # to the front process alone, as `kill PID` or a scheduler does
-            _, stderr = proc.communicate(timeout=120)
+            proc.send_signal(signal.SIGINT)  # to the front process alone, as Ctrl-C in its terminal does
+            stdout, stderr = proc.communicate(timeout=120)
             stop_s = time.monotonic() - sent
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == StoppedError.exit_code, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1] == (f"stopped: SIGTERM after step {STOP_AT}, checkpoint saved; resume with "
+    assert stderr.strip().splitlines()[-1] == (f"stopped: SIGINT after step {STOP_AT}, checkpoint saved; resume with "
                                                f"--resume auto (tag global_step{STOP_AT})"), stderr[-3000:]
     assert "another rank died" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert "[ERROR]" not in stdout + stderr and "return code" not in stdout + stderr, stdout[-3000:]
+    assert "\nplan: " in f"\n{stdout}", stdout[-3000:]  # rank 0's stdout still comes through
     assert stop_s < 20  # within the default --stop-grace-s: the ranks stopped themselves
     with capsys.disabled():
-        print(f"\nstop: SIGTERM as step {STOP_AT} ran; the ranks saved global_step{STOP_AT} and exited 7 "
+        print(f"\nstop: SIGINT as step {STOP_AT} ran; the ranks saved global_step{STOP_AT} and exited 7 "
               f"{stop_s:.1f} s after the signal")
     assert (tmp_path / "ckpt" / LATEST).read_text() == f"global_step{STOP_AT}"
     assert (tmp_path / "ckpt" / f"global_step{STOP_AT}" / MANIFEST_FILE).is_file()
@@ -167,3 +172,19 @@ def test_the_front_process_exit_code_after_a_stop(tmp_path, capsys):
     assert cli.stop_status(LaunchOutcome(1, "SIGTERM"), 20, tmp_path) == 7
     assert capsys.readouterr().err == ("stopped: SIGTERM; the launcher exited 1; resume with --resume auto (tag "
                                        "global_step4)\n")
+
+
+def test_the_launchers_error_line_of_a_clean_stop_alone_is_dropped(capsys):
+    """The launcher's output through the front process: its error line for a rank's exit 7 (a clean stop, said by
+    rank 0) is dropped; any other code's, and every other line, pass."""
+    from ds_packdpo.run.launch_group import _pass_through
+
+    error = "[2026-12-06 21:04:55,123] [ERROR] [launch.py:{}:sigkill_handler] ['python', '-u', '-m', " \
+            "'ds_packdpo.train', '--local_rank=1'] exits with return code = {}\n"
+    lines = ["plan: 48 pairs in 4 steps\n", error.format(341, 7), error.format(341, 5), error.format(341, 70),
+             "done\n"]
+    read, write = os.pipe()
+    os.write(write, "".join(lines).encode())
+    os.close(write)
+    _pass_through(os.fdopen(read), sys.stdout, None)
+    assert capsys.readouterr().out == "".join(lines[:1] + lines[2:])

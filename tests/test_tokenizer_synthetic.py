@@ -131,3 +131,21 @@ def test_written_synthetic_pairs_are_streamed_blocks_deterministic_by_seed(tmp_p
     assert rows[:4] == synthetic.synthetic_preference_rows(4, seed=[0, 0])
     assert rows[8:] == synthetic.synthetic_preference_rows(2, seed=[0, 2])
     assert paths[0].read_bytes() == paths[1].read_bytes() != paths[2].read_bytes()
+
+
+def test_a_tokenizer_saved_into_a_model_folder_may_grow_a_token_as_the_docs_warn(tmp_path):
+    """docs/tokenizers.md warns: a tokenizer saved beside a Qwen2 config.json loads as Qwen2Tokenizer, which adds
+    <|endoftext|>, one token beyond the vocab_size written from the saved tokenizer.  Checked here, so that the page
+    changes when transformers does."""
+    from pathlib import Path
+
+    from transformers import Qwen2Config
+
+    tokenizer = train_bpe_tokenizer(["hello world, a small text to learn a few merges"] * 4, vocab_size=300)
+    Qwen2Config(vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert len(loaded) == len(tokenizer) + 1 and loaded.unk_token == "<|endoftext|>"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tokenizers.md").read_text()
+    assert "**Saving a tokenizer into a model folder may add a token.**" in page
+    assert f"{len(tokenizer)} tokens in the check below" in page and f"{len(loaded)} tokens" in page

@@ -49,7 +49,6 @@ import heapq
 import json
 import math
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -57,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..console import say_warning
 from ..errors import InputError
 from ..files import atomic_write
 from .prompt_groups import PairGroups, group_permutation
@@ -350,7 +350,7 @@ def _cut_at_group_ends(order: np.ndarray, ends: np.ndarray, pair_tokens_both: np
 
 
 def warn_if_ranks_idle(num_pairs: int, cfg: PlanConfig) -> float | None:
-    """Warns (once, on stderr) when a step has fewer pairs than data-parallel ranks: the ranks without a pair run a
+    """Warns (once per job, on stderr) when a step has fewer pairs than data-parallel ranks: the ranks without a pair run a
     1-token dummy row in lock-step with the others, so at most pairs/ranks of the hardware does real work.
     Returns that fraction, or None when every rank gets a pair."""
     if cfg.global_batch_pairs is None:  # --tokens-per-step: pairs per step vary; pack-stats shows the balance
@@ -359,9 +359,9 @@ def warn_if_ranks_idle(num_pairs: int, cfg: PlanConfig) -> float | None:
     if pairs >= cfg.dp_size:
         return None
     share = pairs / cfg.dp_size
-    warnings.warn(f"{pairs} pairs per step for {cfg.dp_size} data-parallel ranks: {cfg.dp_size - pairs} ranks "
-                  f"get no pair and run a dummy row, so at most {share:.0%} of the ranks' compute is real work "
-                  f"(raise --global-batch-pairs to at least {cfg.dp_size}, or use fewer ranks)", stacklevel=2)
+    say_warning(f"{pairs} pairs per step for {cfg.dp_size} data-parallel ranks: {cfg.dp_size - pairs} ranks get no "
+                f"pair and run a dummy row, so at most {share:.0%} of the ranks' compute is real work (raise "
+                f"--global-batch-pairs to at least {cfg.dp_size}, or use fewer ranks)")
     return share
 
 

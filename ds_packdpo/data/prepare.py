@@ -25,7 +25,7 @@ import dataclasses
 import hashlib
 import json
 import re
-import warnings
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +42,7 @@ from ..files import atomic_write
 from .multi_response import (MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, columns_for, detect_layout,
                              pairs_from_groups)
 from .pair_keys import cached_content_keys
-from .rows import BadRow, completion_messages, field_value, kind_of, message_list, text_value
+from .rows import BadRow, completion_messages, every_field, field_value, kind_of, message_list, text_value
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt", *MULTI_RESPONSE_FORMATS)
 ON_BAD_ROW = ("error", "skip")
@@ -71,7 +71,7 @@ class DataConfig:
     max_length: int = 1024
     max_prompt_length: int | None = None
     on_bad_row: str = "error"       # "error" | "skip"
-    num_proc: int = 1
+    tokenize_procs: int = 1  # datasets.map's num_proc
     cache_dir: str | None = None
     max_pairs: int | None = None    # keep only the first N valid pairs (handy for tests/bench)
     pairs_from: str = "best-vs-worst"  # pairs of a row with several responses (multi_response.PAIRS_FROM)
@@ -84,7 +84,7 @@ class DataConfig:
             raise InputError(f"pairs_from '{self.pairs_from}' is not one of {', '.join(PAIRS_FROM)}")
         if self.on_bad_row not in ON_BAD_ROW:
             raise InputError(f"on_bad_row '{self.on_bad_row}' is not one of {', '.join(ON_BAD_ROW)}")
-        for key in ("max_length", "num_proc", "max_prompt_length", "max_pairs"):
+        for key in ("max_length", "tokenize_procs", "max_prompt_length", "max_pairs"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise InputError(f"{key} must be >= 1, got {value}")
@@ -96,6 +96,18 @@ class DataConfig:
     def cache_path(self) -> Path:
         """The cache folder (``cache_dir``, or the default under the home folder), user-expanded."""
         return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+
+    def cache_file(self, fingerprint: str) -> Path:
+        """The tokenized pairs of ``fingerprint`` in the cache (what a run with these data settings reads)."""
+        return self.cache_path / f"pairs-{fingerprint}.arrow"
+
+    def cache_files(self, fingerprint: str) -> list[Path]:
+        """The cache's files of ``fingerprint``: the one file, or the shards a tokenization with --tokenize-procs N wrote
+        (``pairs-F_00000_of_0000N.arrow``, ...; datasets names them so), or none when incomplete."""
+        if self.cache_file(fingerprint).is_file():
+            return [self.cache_file(fingerprint)]
+        shards = sorted(self.cache_path.glob(f"pairs-{fingerprint}_*_of_*.arrow"))
+        return shards if shards and len(shards) == int(shards[0].stem.rsplit("_of_", 1)[1]) else []
 
 
 @dataclass
@@ -310,33 +322,35 @@ def _split_implicit(chosen: list[dict], rejected: list[dict], cfg: DataConfig) -
 
 
 def _normalize_row(row, fmt: str, cfg: DataConfig) -> dict:
-    """{"prompt", "chosen", "rejected"}: strings (standard) or [{role, content}] lists; raises BadRow."""
+    """{"prompt", "chosen", "rejected"}: strings (standard) or [{role, content}] lists; raises BadRow naming every
+    faulty field of the row."""
     c_key, r_key = cfg.chosen_column, cfg.rejected_column
     if fmt == "standard":
-        prompt = text_value(row, cfg.prompt_column, completion=False)
-        return {"prompt": prompt, "chosen": text_value(row, c_key, True), "rejected": text_value(row, r_key, True)}
+        return every_field({"prompt": lambda: text_value(row, cfg.prompt_column, completion=False),
+                            "chosen": lambda: text_value(row, c_key, True),
+                            "rejected": lambda: text_value(row, r_key, True)})
     if fmt == "conversational":
-        return {
-            "prompt": message_list(field_value(row, cfg.prompt_column), cfg.prompt_column),
-            "chosen": completion_messages(message_list(field_value(row, c_key), c_key), c_key),
-            "rejected": completion_messages(message_list(field_value(row, r_key), r_key), r_key),
-        }
+        def completion(key: str) -> list[dict]:
+            return completion_messages(message_list(field_value(row, key), key), key)
+
+        return every_field({"prompt": lambda: message_list(field_value(row, cfg.prompt_column), cfg.prompt_column),
+                            "chosen": lambda: completion(c_key), "rejected": lambda: completion(r_key)})
     if fmt == "implicit":
-        chosen = message_list(field_value(row, c_key), c_key)
-        rejected = message_list(field_value(row, r_key), r_key)
-        prompt, chosen, rejected = _split_implicit(chosen, rejected, cfg)
+        both = every_field({key: lambda key=key: message_list(field_value(row, key), key) for key in (c_key, r_key)})
+        prompt, chosen, rejected = _split_implicit(both[c_key], both[r_key], cfg)
         return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     # sharegpt: chosen/rejected are one {from, value} message each
     sharegpt = dict(role_key="from", content_key="value", roles=SHAREGPT_ROLES)
-    prompt = message_list(field_value(row, cfg.conversations_column), cfg.conversations_column, **sharegpt)
-    completions = []
-    for key in (c_key, r_key):
+
+    def one_message(key: str) -> list[dict]:
         value = field_value(row, key)
         if not isinstance(value, dict):
-            detail = f"field '{key}' must be one {{from, value}} message, got {kind_of(value)}"
-            raise BadRow("malformed_messages", detail)
-        completions.append(completion_messages(message_list([value], key, **sharegpt), key, SHAREGPT_SPELLING))
-    return {"prompt": prompt, "chosen": completions[0], "rejected": completions[1]}
+            raise BadRow("malformed_messages", f"field '{key}' must be one {{from, value}} message, got {kind_of(value)}")
+        return completion_messages(message_list([value], key, **sharegpt), key, SHAREGPT_SPELLING)
+
+    return every_field({"prompt": lambda: message_list(field_value(row, cfg.conversations_column),
+                                                       cfg.conversations_column, **sharegpt),
+                        "chosen": lambda: one_message(c_key), "rejected": lambda: one_message(r_key)})
 
 
 def _validate(records: list[tuple[str, object]], cfg: DataConfig, label: str
@@ -492,9 +506,14 @@ def _list_lengths(table: pa.Table, column: str) -> np.ndarray:
     return pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _source_key(cfg: DataConfig, tokenizer) -> str | None:
-    """Key of a local dataset as it is on disk (its files' bytes) with every setting and the tokenizer, or None
-    (rows in memory or from the hub).  Hashing bytes is far cheaper than parsing and validating rows in Python."""
+# Settings that change nothing in the tokenized pairs: a cache filled with one value serves the others.
+_NOT_IN_CACHE_KEY = ("tokenize_procs", "cache_dir", "progress")
+
+
+def _source_key(cfg: DataConfig, tokenizer) -> tuple[str, dict] | None:
+    """Key of a local dataset as it is on disk (its files' bytes) with every setting and the tokenizer, and those
+    parts (the index keeps them, to say why a later run misses it), or None (rows in memory or from the hub).
+    Hashing bytes is far cheaper than parsing and validating rows in Python."""
     path = Path(cfg.dataset).expanduser()
     files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path] if path.is_file() else []
     if not files:
@@ -505,10 +524,32 @@ def _source_key(cfg: DataConfig, tokenizer) -> str | None:
         with open(file, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 24), b""):
                 digest.update(block)
-    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("num_proc", "cache_dir")}
+    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _NOT_IN_CACHE_KEY}
     key = {"version": DATA_VERSION, "files": digest.hexdigest(), "settings": settings,
            "tokenizer": tokenizer_fingerprint(tokenizer)}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32], key
+
+
+def why_tokenized_afresh(cache_dir: Path, key: dict) -> str:
+    """Why a local dataset is tokenized again: no cache of its bytes in ``cache_dir``, or the settings (flags) and
+    tokenizer that differ from the nearest cache of them (e.g. ``prepare`` run with other settings than ``train``)."""
+    nearest = None
+    for index in cache_dir.glob("source-*.json"):
+        try:
+            seen = json.loads(index.read_text())
+        except (OSError, ValueError):
+            continue
+        if seen.get("key", {}).get("files") != key["files"] or seen["key"].get("version") != key["version"]:
+            continue
+        there = seen["key"]["settings"]
+        differ = [f"--{name.replace('_', '-')} {there.get(name)} there, {value} here"
+                  for name, value in key["settings"].items() if there.get(name) != value]
+        differ += ["another tokenizer"] if seen["key"].get("tokenizer") != key["tokenizer"] else []
+        if nearest is None or len(differ) < len(nearest):
+            nearest = differ
+    if nearest is None:
+        return f"no cache of this file in {cache_dir} yet"
+    return f"its cache in {cache_dir} has other settings ({'; '.join(nearest)})"
 
 
 def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) -> PreparedPairs:
@@ -520,15 +561,19 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     """
     cache_dir = cfg.cache_path
     cache_dir.mkdir(parents=True, exist_ok=True)
-    source = _source_key(cfg, tokenizer) if rows is None else None
+    source, source_parts = (_source_key(cfg, tokenizer) if rows is None else None) or (None, None)
     index = cache_dir / f"source-{source}.json" if source else None
     if index is not None and index.is_file():
         seen = json.loads(index.read_text())
-        cached = cache_dir / f"pairs-{seen['fingerprint']}.arrow"
-        if cached.is_file():
-            return _finish(cfg, datasets.Dataset.from_file(str(cached)), seen["fingerprint"], seen["fmt"],
+        cached = cfg.cache_files(seen["fingerprint"])
+        if cached:  # memory-mapped, the shards of a --tokenize-procs tokenization one table again
+            return _finish(cfg, datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in cached]),
+                           seen["fingerprint"], seen["fmt"],
                            seen["rows"], Counter(seen["bad"]), seen["beyond_max_pairs"], seen["quality"],
                            seen.get("multi_response"))
+    if index is not None:  # a local file read row by row again: said, with why (once per job: the ranks read this)
+        print(f"tokenizing {cfg.dataset}: {why_tokenized_afresh(cache_dir, source_parts)}", file=sys.stderr,
+              flush=True)
     label = cfg.dataset
     records = [(f"row {i}", row) for i, row in enumerate(rows)] if rows is not None else _load_records(cfg)
     fmt, normalized, bad, groups = _validate(records, cfg, label)
@@ -558,7 +603,7 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
             _encode_batch,
             batched=True,
             # num_proc=1 would still spawn a worker process in datasets; None runs in this one.
-            num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+            num_proc=cfg.tokenize_procs if cfg.tokenize_procs > 1 else None,
             fn_kwargs=dict(
                 tokenizer=tokenizer,
                 conversational=conversational,
@@ -568,7 +613,7 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
                 bos=[tokenizer.bos_token_id] if _adds_bos(tokenizer) else [],
             ),
             remove_columns=["prompt", "chosen", "rejected"],
-            cache_file_name=str(cache_dir / f"pairs-{fingerprint}.arrow"),
+            cache_file_name=str(cfg.cache_file(fingerprint)),
             new_fingerprint=fingerprint,  # explicit: datasets would otherwise hash the tokenizer with dill
             desc="tokenize pairs",
         )
@@ -576,7 +621,8 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
     if index is not None:  # written once the pairs are: a reader never finds an index without its cache
         atomic_write(index, lambda temporary: Path(temporary).write_text(json.dumps(
             {"fingerprint": fingerprint, "fmt": fmt, "rows": len(records), "bad": dict(bad),
-             "beyond_max_pairs": beyond_max_pairs, "quality": quality, "multi_response": groups})))
+             "beyond_max_pairs": beyond_max_pairs, "quality": quality, "multi_response": groups,
+             "key": source_parts})))
     return prepared
 
 
@@ -617,7 +663,7 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     label = cfg.dataset
     for key, count in quality.items():
         if count:
-            warnings.warn(f"{label}: {count} {_QUALITY_WARNINGS[key]}", stacklevel=3)
+            say_warning(f"{label}: {count} {_QUALITY_WARNINGS[key]}")
     table = encoded.data.table
     stats = {name: table.column(name).to_numpy(zero_copy_only=False) for name in _STAT_COLUMNS}
     lengths = {name: _list_lengths(table, f"{name}_ids") for name in ("prompt", "chosen", "rejected")}
@@ -633,6 +679,7 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     pairs = encoded.remove_columns(_STAT_COLUMNS)
     if kept.size < len(pairs):
         pairs = pairs.select(kept)
+    longest = max(int(values.max(initial=0)) for values in lengths.values())  # of every row the keys cover
     lengths = {name: values[kept] for name, values in lengths.items()}
     chosen_lengths = lengths["prompt"] + lengths["chosen"]
     rejected_lengths = lengths["prompt"] + lengths["rejected"]
@@ -657,7 +704,6 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     if groups is not None:
         summary["multi_response"] = groups
     warn_if_mostly_truncated(cfg, summary)
-    longest = max(int(values.max()) for values in lengths.values())
     keys = cached_content_keys(encoded, longest, cfg.cache_path / f"pairs-{fingerprint}.keys.npy")
     return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint, lengths["prompt"],
                          keys if kept.size == len(encoded) else keys[kept])
@@ -696,4 +742,5 @@ def run_prepare(cfg: DataConfig, tokenizer, out_path, rows: list[dict] | None = 
     """Body of the ``prepare`` command: tokenized pairs to ``out_path`` (JSON lines); returns the summary to print."""
     prepared = prepare_pairs(cfg, tokenizer, rows)
     write_pairs_jsonl(prepared, out_path)
-    return {**prepared.summary, "fingerprint": prepared.fingerprint, "output": str(out_path)}
+    return {**prepared.summary, "fingerprint": prepared.fingerprint,
+            "cache": [str(f) for f in cfg.cache_files(prepared.fingerprint)], "output": str(out_path)}

@@ -7,6 +7,7 @@ key; the caller adds the file and the row.  No torch.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -17,6 +18,20 @@ class BadRow(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason, self.detail = reason, detail
+
+
+def every_field(checks: dict[str, Callable[[], object]]) -> dict:
+    """Each field's check run, so that a row with several faults names them all: one BadRow (the first fault's
+    reason, for skip mode's counts, and every detail), or the fields' values."""
+    values, problems = {}, []
+    for name, check in checks.items():
+        try:
+            values[name] = check()
+        except BadRow as problem:
+            problems.append(problem)
+    if problems:
+        raise BadRow(problems[0].reason, " and ".join(problem.detail for problem in problems))
+    return values
 
 
 def kind_of(value) -> str:

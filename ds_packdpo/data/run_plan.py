@@ -30,6 +30,16 @@ class PlanSpec:
     row_budget: int  # tokens of one rank's share of a row (--max-tokens-per-row, or its auto default)
     epochs: int
     max_steps: int | None  # stop after this many optimizer steps (None: every step of every epoch)
+    epochs_given: bool = True  # False: --epochs left at its default, so --max-steps may extend the epochs
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """How long a run is, once its pairs are known: the epochs it plans and the optimizer steps it runs."""
+
+    epochs: int
+    steps: int
+    capped_at: int | None = None  # --max-steps asked for more steps than the given --epochs hold: the steps they hold
 
 
 def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int, sp_size: int, pair_ids,
@@ -77,13 +87,24 @@ def checked_plan_config(plan: PlanSpec, sp_size: int, prepared: PreparedPairs) -
     return plan_cfg
 
 
-def total_steps(plan: PlanSpec, prepared: PreparedPairs) -> int:
-    """Optimizer steps of the run: every epoch's steps (--epochs; --tokens-per-step steps differ per epoch), cut at
-    --max-steps.  The LR schedule spans them."""
+def run_length(plan: PlanSpec, prepared: PreparedPairs, steps_wanted: int | None = None) -> RunLength:
+    """The epochs and optimizer steps of a run (the LR schedule spans the steps): every step of --epochs epochs
+    (--tokens-per-step and prompt groups make epochs differ), cut at ``steps_wanted`` (default --max-steps).
+
+    When --epochs was not given, --max-steps extends the epochs to as many as its steps need (``--max-steps 20`` on
+    data of 18 steps an epoch runs 20 steps, two epochs planned); when it was, and its epochs hold fewer steps, they
+    cap the run (``capped_at``, said in the plan line)."""
+    wanted = plan.max_steps if steps_wanted is None else steps_wanted
     lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
-    steps = sum(steps_per_epoch(*lengths, plan.config, epoch=e, groups=prompt_groups_of(prepared))
-                for e in range(plan.epochs))
-    return min(steps, plan.max_steps) if plan.max_steps else steps
+    epochs = steps = 0
+    while epochs < plan.epochs or (wanted and not plan.epochs_given and steps < wanted):
+        per_epoch = steps_per_epoch(*lengths, plan.config, epoch=epochs, groups=prompt_groups_of(prepared))
+        if per_epoch == 0:  # --drop-last on fewer pairs than a step: no epoch ever holds a step
+            break
+        epochs, steps = epochs + 1, steps + per_epoch
+    if not wanted:
+        return RunLength(epochs, steps)
+    return RunLength(epochs, min(steps, wanted), capped_at=steps if steps < wanted else None)
 
 
 def held_out_plan(plan_cfg: PlanConfig, held_out: PreparedPairs) -> StepPlan:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from ..console import quiet_libraries, say_warning
 from ..data.heldout import EvalSpec
 from ..data.plan import RowLayout
 from ..data.prepare import PreparedPairs
-from ..data.run_plan import PlanSpec, checked_plan_config, total_steps
+from ..data.run_plan import PlanSpec, RunLength, checked_plan_config, run_length
 from ..data.source import DataSpec, prepare_run_data, split_held_out, tokenizer_and_rows
 from ..data.tokenizer import pad_token_id
 from ..errors import InputError
@@ -205,6 +204,7 @@ class RunSetup:
     tokenizer: object
     prepared: PreparedPairs  # the pairs the run trains on (or computes the reference of)
     schedule: Schedule  # the LR schedule over the run's total steps
+    length: RunLength  # the epochs planned and the steps run (--epochs, --max-steps)
     resume: ResumePoint | None = None  # None: a fresh start
     precomputed: PrecomputedReference | None = None  # the --ref-logps file
     held_out: HeldOut | None = None  # the evaluation's pairs, plan and precomputed reference
@@ -290,9 +290,9 @@ def check_models(model: ModelSpec, layout: ParallelLayout, attn: str, row_layout
     if getattr(hf_config, "output_router_logits", False):
         # DPO's loss is a sum over pairs; a router load-balancing loss is one per packed row (over all its
         # tokens), which would make the loss depend on how pairs are packed (invariant 2).
-        warnings.warn(f"{model.source}: the mixture-of-experts router auxiliary loss (output_router_logits, "
-                      f"router_aux_loss_coef {getattr(hf_config, 'router_aux_loss_coef', None)}) is not added to "
-                      f"the DPO loss", stacklevel=2)
+        say_warning(f"{model.source}: the mixture-of-experts router auxiliary loss (output_router_logits, "
+                    f"router_aux_loss_coef {getattr(hf_config, 'router_aux_loss_coef', None)}) is not added to the "
+                    f"DPO loss")
     if model.lora is not None:  # the adapters fit the model (placed on its skeleton, with no weights)
         check_adapters(model.lora, hf_config, model.source, model.trust_remote_code)
     return hf_config
@@ -371,12 +371,13 @@ def checked_setup(spec: RunSpec, raw_ds: dict, ds_source: str, tokenizer, rows: 
     if command == "eval" and held_out is None:  # no held-out part named: evaluate on --dataset (--max-pairs) itself
         held_out = prepared
     checked_plan_config(spec.plan, layout.sp_size, prepared)
-    schedule = spec.schedule.over(spec.optimizer.lr, total_steps(spec.plan, prepared))
+    length = run_length(spec.plan, prepared)
+    schedule = spec.schedule.over(spec.optimizer.lr, length.steps)
     ds_config = fill_ds_config(raw_ds, ds_source, spec.optimizer, spec.model.dtype, spec.outputs, layout,
                                int(getattr(hf_config, "hidden_size", 1024)), spec.device_type, schedule, spec.zero)
     if spec.reference.offload:  # the reference's own config, so that a stage without parameter offload ends here
         reference_ds_config(ds_config, offload=True, source=ds_source)
-    setup = RunSetup(spec, ds_config, tokenizer, prepared, schedule)
+    setup = RunSetup(spec, ds_config, tokenizer, prepared, schedule, length)
     if command == "train":
         setup.resume = check_resume(spec.checkpoint, setup.plan_fingerprint, layout, spec.model, spec.reference.sync)
         if setup.resume is not None and setup.resume.universal and not dry_run:

@@ -1,4 +1,5 @@
-"""Stale build locks of torch's JIT extensions, which would hang every later launch with no output.
+"""Where torch's JIT extensions are built, and their stale build locks, which would hang every later launch with no
+output.
 
 DeepSpeed JIT-builds its CPU ``deepspeed_shm_comm`` extension inside
 ``deepspeed.init_distributed`` through ``torch.utils.cpp_extension``, whose lock is a
@@ -93,3 +94,26 @@ def venv_extensions_dir() -> str | None:
     holds the environment's path: two checkouts then rebuild the extension for each other.
     """
     return os.path.join(sys.prefix, "torch_extensions") if sys.prefix != sys.base_prefix else None
+
+
+COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU communication op, JIT-built by init_distributed on CPU
+BUILD_ESTIMATE = "about 1-3 minutes"  # 40 s on an idle 2-core machine, ~2.5 min under `make install`'s load
+
+
+def use_venv_extensions() -> None:
+    """``TORCH_EXTENSIONS_DIR`` of this process and of the ranks it starts: the user's, else this venv's folder, where
+    ``make install`` (and every earlier run of this venv) built DeepSpeed's CPU comm op.  Without it a plain
+    ``ds-packdpo train`` built the op again, silently, in torch's default folder."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR") and venv_extensions_dir():
+        os.environ["TORCH_EXTENSIONS_DIR"] = venv_extensions_dir()
+
+
+def say_if_comm_op_unbuilt() -> bool:
+    """One line when DeepSpeed's CPU comm op is not built under :func:`extensions_root` yet (the ranks about to start
+    build it, saying nothing themselves); whether it said so."""
+    root = extensions_root()
+    if [*root.glob(f"{COMM_OP}/{COMM_OP}*.so"), *root.glob(f"*/{COMM_OP}/{COMM_OP}*.so")]:
+        return False
+    print(f"building DeepSpeed's CPU communication op ({COMM_OP}) into {root}: once, {BUILD_ESTIMATE}; later runs "
+          f"load it", file=sys.stderr, flush=True)
+    return True

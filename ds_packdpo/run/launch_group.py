@@ -7,12 +7,19 @@ reaches it and its ranks half-way), and the front process passes the first signa
 ranks (``run/stop.py`` makes them save at the next step boundary and exit 7), waits up to
 ``--stop-grace-s`` and then kills the whole session.  A second signal kills at once.  The
 ranks are signalled rather than the deepspeed launcher: on SIGTERM it would terminate them
-and exit 1 itself, while left alone it passes their exit code 7 through.
+and exit 1 itself, while left alone it passes their exit code 7 through.  They get the signal
+the front process received, so that the ``stopped:`` line names it (SIGINT for a Ctrl-C).
+
+The launcher's (and the ranks') stdout passes through the front process line by line, less the
+one line the launcher logs as an error when a rank exits 7 (``[ERROR] [launch.py:...:sigkill_handler]
+[...] exits with return code = 7``): that is a clean stop, which rank 0 has just said; any other
+code's line stays.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,8 +30,12 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from ..errors import StoppedError
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 POLL_S = 0.2
+_CLEAN_STOP_LINE = re.compile(rf"\[ERROR\] \[launch\.py:\d+:sigkill_handler\] .* exits with return code = "
+                              rf"{StoppedError.exit_code}\s*$")
 
 
 def rank_processes(launcher_pid: int) -> list[psutil.Process]:
@@ -72,7 +83,7 @@ class _Forwarder:
             _signal_session(self.proc.pid, signal.SIGTERM)
         for rank in ranks:
             try:
-                rank.send_signal(signal.SIGTERM)
+                rank.send_signal(signum)  # the signal received: the stopped: line names it
             except psutil.Error:
                 pass
 
@@ -84,25 +95,30 @@ def _signal_session(pid: int, signum: int) -> None:
         pass
 
 
-def _pass_through(stream, sink, on_line: Callable[[str], None]) -> None:
-    """Copies a launcher's output stream to ``sink`` line by line, each line also to ``on_line``."""
+def _pass_through(stream, sink, on_line: Callable[[str], None] | None) -> None:
+    """Copies a launcher's output stream to ``sink`` line by line, less the launcher's error line of a clean stop;
+    each line also to ``on_line``."""
     for line in iter(stream.readline, ""):
-        sink.write(line)
-        sink.flush()
-        on_line(line)
+        if not _CLEAN_STOP_LINE.search(line):
+            sink.write(line)
+            sink.flush()
+        if on_line is not None:
+            on_line(line)
     stream.close()
 
 
 def run_launcher(cmd: list[str], env: dict, grace_s: float,
                  on_line: Callable[[str], None] | None = None) -> LaunchOutcome:
     """Runs ``cmd`` (a launcher) in its own session until it exits, forwarding SIGTERM/SIGINT as the module says;
-    ``on_line``: called with every line of its output (still written to ours), e.g. for the bench to say which
-    configuration a crash ended."""
-    pipes = {} if on_line is None else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True,
-                                        "errors": "replace"}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **pipes)
+    its stdout passes through :func:`_pass_through` (the ranks' unbuffered, so each line comes when it is printed);
+    ``on_line``: called with every line of its output, stderr's too (still written to ours), e.g. for the bench to
+    say which configuration a crash ended."""
+    pipes = {"stdout": subprocess.PIPE, "text": True, "errors": "replace",
+             **({} if on_line is None else {"stderr": subprocess.PIPE})}
+    proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True, **pipes)
+    streams = [(proc.stdout, sys.stdout), *([] if on_line is None else [(proc.stderr, sys.stderr)])]
     readers = [threading.Thread(target=_pass_through, args=(stream, sink, on_line), daemon=True)
-               for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)) if on_line is not None]
+               for stream, sink in streams]
     for reader in readers:
         reader.start()
     forwarder = _Forwarder(proc, grace_s)

@@ -79,6 +79,29 @@ def sum_over_ranks(sums: dict, device) -> dict[str, float]:
     return dict(zip(keys, packed.tolist()))
 
 
+LOSS_WINDOW = 10  # steps averaged at each end of the done: line's loss change
+
+
+def loss_change(history: list[dict]) -> str:
+    """How the loss went over this run's steps, said with what it compares: the mean of the first and of the last
+    window of up to :data:`LOSS_WINDOW` steps (half the run at most: the two never overlap).  One step's loss against
+    another's read as a regression whenever the last step's batch was a hard one (a resume's 0.2395 -> 0.4699)."""
+    window = max(1, min(LOSS_WINDOW, len(history) // 2))
+    first, last = history[:window], history[-window:]
+
+    def mean(records: list[dict]) -> float:
+        losses = [r["loss"] for r in records if math.isfinite(r["loss"])]  # a skipped bad step's is not
+        return math.fsum(losses) / len(losses) if losses else math.nan
+
+    def steps(records: list[dict]) -> str:
+        return f"step {records[0]['step']}" if len(records) == 1 else f"steps {records[0]['step']}-{records[-1]['step']}"
+
+    if len(history) == 1:
+        return f"loss {mean(history):.4f} (step {history[0]['step']})"
+    what = "" if window == 1 else "mean of "
+    return f"loss {mean(first):.4f} -> {mean(last):.4f} ({what}{steps(first)} -> {steps(last)})"
+
+
 class MetricsWriter:
     def __init__(self, run, total_steps: int, done_steps: int, resumed: bool, plan_summary: dict):
         outputs = run.setup.spec.outputs
@@ -127,9 +150,8 @@ class MetricsWriter:
         self.bar.close()
         seconds = sum(r["step_time_s"] for r in history)
         tokens = sum(r["tokens"] for r in history)
-        print(f"done: {len(history)} steps (to step {history[-1]['step']}) in {seconds:.1f} s, loss "
-              f"{history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, {tokens / seconds:.0f} tokens/s; metrics in "
-              f"{self.metrics_path}", flush=True)
+        print(f"done: {len(history)} steps (to step {history[-1]['step']}) in {seconds:.1f} s, {loss_change(history)}, "
+              f"{tokens / seconds:.0f} tokens/s; metrics in {self.metrics_path}", flush=True)
 
     def _monitor(self, record: dict) -> None:
         """Hands the step's figures to DeepSpeed's monitors as ``Train/<name>``.

@@ -29,7 +29,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from ..errors import PeerFailureError, first_line, run_guarded
 from . import stop
-from .build_lock import remove_stale_locks
+from .build_lock import remove_stale_locks, use_venv_extensions
 from .layout import ParallelLayout, free_port, launched
 
 # Set by the deepspeed launcher and torchrun; under mpirun they are missing and come from MPI discovery.
@@ -49,6 +49,9 @@ def init_process_group(layout: ParallelLayout, collective_timeout_s: float, quie
             # A rank that dies of a fatal signal (a C++ abort or segfault in a library) prints every thread's Python
             # stack first, so that its log says where.
             faulthandler.enable(file=sys.__stderr__)
+        use_venv_extensions()  # a rank started by hand finds the op where this venv built it
+        if launched():
+            stop.end_at_once()  # a rank's SIGINT before the loop, as its SIGTERM
         remove_stale_locks()  # init_distributed JIT-builds DeepSpeed's CPU comm extension: a stale lock hangs it
         if not all(key in os.environ for key in RENDEZVOUS_ENV):
             if not launched() and "MASTER_PORT" not in os.environ:

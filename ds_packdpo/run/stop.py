@@ -25,6 +25,12 @@ def _note(signum, frame) -> None:
     _received.append(signum)
 
 
+def end_at_once() -> None:
+    """Until :func:`install`: SIGINT ends this rank at once, as SIGTERM does, not as a KeyboardInterrupt with a
+    traceback in every rank (the front process passes a Ctrl-C on to the ranks as SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def install() -> None:
     """From now on SIGTERM and SIGINT ask this rank to stop at the next step boundary (no KeyboardInterrupt).
 

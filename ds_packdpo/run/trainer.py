@@ -136,7 +136,7 @@ def plan_summary(setup: RunSetup) -> dict:
     """What the run will do, known before its first step: its pairs, steps, forwards per rank, lock-step utilization,
     held-out pairs and LR schedule (the first line a run prints, and OUTPUT_DIR/plan_summary.json)."""
     spec, schedule = setup.spec, setup.schedule
-    figures = plan_figures(spec.plan.config, setup.prepared, spec.plan.epochs, schedule.total_steps)
+    figures = plan_figures(spec.plan.config, setup.prepared, setup.length.epochs, schedule.total_steps)
     held_out = setup.held_out.pairs.chosen_lengths.size if setup.held_out else 0
     row_layout = spec.plan.config.layout
     return {"pairs": figures["pairs"], "train_pairs": int(setup.prepared.chosen_lengths.size),
@@ -144,7 +144,10 @@ def plan_summary(setup: RunSetup) -> dict:
             "attention": {"backend": spec.attention.backend, "dtype": spec.model.dtype,
                           "prefix_sharing": row_layout.shares_prefixes, "prompt_groups": row_layout.groups_prompts},
             **figures, "eval_pairs": held_out, "eval_steps": spec.evaluation.steps if held_out else None,
-            "schedule": dataclasses.asdict(schedule), "deepspeed_scheduler": setup.ds_config.get("scheduler")}
+            "schedule": dataclasses.asdict(schedule), "deepspeed_scheduler": setup.ds_config.get("scheduler"),
+            "epochs": setup.length.epochs,
+            "max_steps_capped": ({"max_steps": spec.plan.max_steps, "epochs": spec.plan.epochs}
+                                 if setup.length.capped_at is not None else None)}
 
 
 def describe_attention(attention: dict) -> str:
@@ -166,8 +169,11 @@ def describe_plan(summary: dict) -> str:
     per_step = summary.get("pairs_per_step", {"min": 0, "max": 0})
     varying = (f" ({per_step['min']}-{per_step['max']} pairs per step: whole prompt groups)"
                if per_step["min"] != per_step["max"] else "")
-    return (f"plan: {summary['pairs']} pairs in {summary['steps']} steps{varying} ({summary['train_pairs']} training "
-            f"pairs), "
+    capped = summary.get("max_steps_capped")
+    cap = (f" (--epochs {capped['epochs']} holds only these of --max-steps {capped['max_steps']}; leave --epochs out "
+           f"to run them all)" if capped else "")
+    return (f"plan: {summary['pairs']} pairs in {summary['steps']} steps{varying}{cap} ({summary['train_pairs']} "
+            f"training pairs), "
             f"{rows} per rank on {describe_sizes(summary['layout'])}, {describe_attention(summary['attention'])}, "
             f"lock-step utilization {summary['lockstep_utilization']:.3f}{describe_copies(summary)}{held_out}; "
             f"schedule: {Schedule(**summary['schedule']).describe()}")
@@ -226,7 +232,7 @@ def train_loop(run: Run, summary: dict) -> list[dict]:
                             spec.outputs.profile_path if spec.layout.rank == 0 else None)
     global_step, bad_steps = start.global_step, start.bad_steps
     position = (start.epoch, start.epoch_step)  # plan position of the next step
-    plans = run_plan(setup.prepared, spec.plan.config, spec.plan.epochs, start_epoch=start.epoch,
+    plans = run_plan(setup.prepared, spec.plan.config, setup.length.epochs, start_epoch=start.epoch,
                      start_step=start.epoch_step)
     stop.install()  # from here a SIGTERM/SIGINT stops at a step boundary, saved; before, it ends the rank at once
     try:
