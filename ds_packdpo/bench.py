@@ -43,7 +43,7 @@ from .bench_front import FAILED_ENV, failure_line, measuring_line
 from .bench_rounds import schedule
 from .command_settings import NOT_ACTED_ON, refused_epilog
 from .comparisons import GROUPS_OFF, headline
-from .config import FlagParser, add_arguments, config_from_args
+from .config import LARGEST_COUNT, FlagParser, add_arguments, config_from_args
 from .console import progress_bar, said_already
 from .data.run_plan import prompt_groups_of, run_length, run_plan
 from .errors import InputError, run_guarded
@@ -101,8 +101,8 @@ class BenchSettings:
     bench_model: bool = True
 
     def validate(self) -> None:
-        if self.bench_warmup_steps < 0:
-            raise InputError(f"--bench-warmup-steps must be >= 0, got {self.bench_warmup_steps}")
+        if not 0 <= self.bench_warmup_steps <= LARGEST_COUNT:
+            raise InputError(f"--bench-warmup-steps must be in [0, {LARGEST_COUNT}], got {self.bench_warmup_steps}")
         if not 1 <= self.bench_rounds <= MAX_ROUNDS:
             raise InputError(f"--bench-rounds must be in [1, {MAX_ROUNDS}], got {self.bench_rounds}")
         if self.configurations is None:
@@ -337,9 +337,10 @@ def model_summary(model: ModelSpec, setup: RunSetup) -> dict:
 
 def check_enough_steps(setup: RunSetup, warmup_steps: int) -> None:
     plan = setup.spec.plan
-    available = run_length(plan, setup.prepared, warmup_steps + plan.max_steps).steps  # --epochs given: they cap it
+    asked = f"--max-steps {plan.max_steps} + --bench-warmup-steps {warmup_steps}"
+    available = run_length(plan, setup.prepared, warmup_steps + plan.max_steps, asked).steps  # --epochs: they cap it
     if available < warmup_steps + plan.max_steps:
-        raise InputError(f"--max-steps {plan.max_steps} + --bench-warmup-steps {warmup_steps}: the data holds only "
+        raise InputError(f"{asked}: the data holds only "
                          f"{available} steps of {plan.config.global_batch_pairs or '--tokens-per-step'} pairs in "
                          f"--epochs {plan.epochs} (use fewer steps, more --epochs, or leave --epochs out)")
 

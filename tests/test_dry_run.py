@@ -126,3 +126,9 @@ def test_max_steps_extends_the_default_epochs_and_given_epochs_cap_it_said(tmp_p
         "(48 training pairs), ")
     assert cli.main([*flags, "--epochs", "2"]) == 0  # the epochs hold more: --max-steps cuts, nothing to say
     assert capsys.readouterr().out.startswith("plan: 72 pairs in 6 steps (48 training pairs), ")
+    # --max-steps far beyond the data: one line at once, not hours of planning epoch after epoch in phase one
+    assert cli.main([*flags[:-1], str(2**31 - 1)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --max-steps {2**31 - 1}: these pairs hold 4 steps an epoch, so it needs about {2**29:,} epochs; "
+        "--max-steps alone extends the epochs to at most 1,000 (give --epochs N as well to run longer)")
+    assert cli.main([*flags[:-1], "4000"]) == 0  # 1,000 epochs: planned

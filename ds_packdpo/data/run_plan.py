@@ -87,13 +87,31 @@ def checked_plan_config(plan: PlanSpec, sp_size: int, prepared: PreparedPairs) -
     return plan_cfg
 
 
-def run_length(plan: PlanSpec, prepared: PreparedPairs, steps_wanted: int | None = None) -> RunLength:
+# --max-steps alone plans at most this many epochs: each epoch's steps are planned to count them (prompt groups and
+# --tokens-per-step make epochs differ), so a --max-steps far beyond the data would plan for hours in phase one.
+MAX_EXTENDED_EPOCHS = 1000
+
+
+def check_extension(plan: PlanSpec, epochs: int, steps: int, wanted: int | None, per_epoch: int, asked: str) -> None:
+    """One line naming what asked for the steps (--max-steps) when extending the epochs to them would plan more than
+    MAX_EXTENDED_EPOCHS."""
+    if plan.epochs_given or not wanted or steps >= wanted or epochs < plan.epochs:
+        return
+    needed = epochs + -(-(wanted - steps) // per_epoch)
+    if needed > MAX_EXTENDED_EPOCHS:
+        raise InputError(f"{asked}: these pairs hold {per_epoch} steps an epoch, so it needs about "
+                         f"{needed:,} epochs; --max-steps alone extends the epochs to at most {MAX_EXTENDED_EPOCHS:,} "
+                         f"(give --epochs N as well to run longer)")
+
+
+def run_length(plan: PlanSpec, prepared: PreparedPairs, steps_wanted: int | None = None,
+               asked: str | None = None) -> RunLength:
     """The epochs and optimizer steps of a run (the LR schedule spans the steps): every step of --epochs epochs
     (--tokens-per-step and prompt groups make epochs differ), cut at ``steps_wanted`` (default --max-steps).
 
     When --epochs was not given, --max-steps extends the epochs to as many as its steps need (``--max-steps 20`` on
     data of 18 steps an epoch runs 20 steps, two epochs planned); when it was, and its epochs hold fewer steps, they
-    cap the run (``capped_at``, said in the plan line)."""
+    cap the run (``capped_at``, said in the plan line).  ``asked`` names the flags that ask for ``steps_wanted``."""
     wanted = plan.max_steps if steps_wanted is None else steps_wanted
     lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
     epochs = steps = 0
@@ -102,6 +120,7 @@ def run_length(plan: PlanSpec, prepared: PreparedPairs, steps_wanted: int | None
         if per_epoch == 0:  # --drop-last on fewer pairs than a step: no epoch ever holds a step
             break
         epochs, steps = epochs + 1, steps + per_epoch
+        check_extension(plan, epochs, steps, wanted, per_epoch, asked or f"--max-steps {wanted}")
     if not wanted:
         return RunLength(epochs, steps)
     return RunLength(epochs, min(steps, wanted), capped_at=steps if steps < wanted else None)
