@@ -81,7 +81,7 @@ def select_pairs(prepared: PreparedPairs, positions: np.ndarray) -> PreparedPair
                                chosen_lengths=prepared.chosen_lengths[positions],
                                rejected_lengths=prepared.rejected_lengths[positions],
                                prompt_lengths=prepared.prompt_lengths[positions],
-                               content_keys=prepared.content_keys[positions])
+                               content_keys=prepared.content_keys[positions], pair_ids=prepared.pair_ids[positions])
 
 
 def split_by_content(prepared: PreparedPairs, fraction: float) -> tuple[PreparedPairs, PreparedPairs]:

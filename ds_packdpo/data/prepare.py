@@ -33,8 +33,6 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..console import say_warning
 from ..errors import InputError
@@ -42,6 +40,7 @@ from ..files import atomic_write
 from .multi_response import MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, GroupPairs, columns_for, detect_layout
 from .normalized import NormalizedPairs
 from .pair_keys import cached_content_keys
+from .pair_numbers import SIDES, STAT_COLUMNS, cached_pair_numbers
 from .raw_rows import ColumnScan, RawRows, open_rows, rows_in_memory
 from .rows import BadRow, completion_messages, every_field, field_value, kind_of, message_list, text_value
 
@@ -56,7 +55,6 @@ SHAREGPT_SPELLING = {chat: source for source, chat in SHAREGPT_ROLES.items()}  #
 DATA_VERSION = 1
 DEFAULT_CACHE_DIR = "~/.cache/ds_packdpo"
 PAIR_COLUMNS = ("pair_id", "prompt_ids", "chosen_ids", "rejected_ids")
-_STAT_COLUMNS = ["prompt_cut", "completion_cut", "template_mismatches", "drop_reason"]
 
 
 @dataclass(frozen=True)
@@ -125,14 +123,7 @@ class PreparedPairs:
     fingerprint: str                # (content, tokenizer, settings); keys caches and precomputed reference log-probs
     prompt_lengths: np.ndarray      # int64 [N]: len(prompt_ids) (what prefix sharing computes once per pair)
     content_keys: np.ndarray        # uint64 [N, 3, 2]: keys of the prompt, chosen and rejected ids (data/pair_keys.py)
-
-    @property
-    def pair_ids(self) -> np.ndarray:
-        """int64 [N]: each pair's id, read from the table once (a numpy array, not a list of a million ints)."""
-        if "_pair_ids" not in self.__dict__:
-            column = self.dataset.select_columns(["pair_id"]).with_format("numpy")[:]["pair_id"]
-            self.__dict__["_pair_ids"] = column.astype(np.int64)
-        return self.__dict__["_pair_ids"]
+    pair_ids: np.ndarray            # int64 [N]: each pair's id (data/pair_numbers.py)
 
 
 # ----------------------------------------------------------------------------- formats
@@ -389,10 +380,6 @@ def _length_stats(lengths: np.ndarray) -> dict:
     }
 
 
-def _list_lengths(table: pa.Table, column: str) -> np.ndarray:
-    return pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False).astype(np.int64)
-
-
 # Settings that change nothing in the tokenized pairs: a cache filled with one value serves the others.
 _NOT_IN_CACHE_KEY = ("tokenize_procs", "cache_dir", "progress")
 
@@ -543,22 +530,18 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     for key, count in quality.items():
         if count:
             say_warning(f"{label}: {count} {_QUALITY_WARNINGS[key]}")
-    table = encoded.data.table
-    # drop_reason stays in Arrow: as numpy it would be an object array of a Python string per pair
-    stats = {name: table.column(name).to_numpy(zero_copy_only=False) for name in _STAT_COLUMNS[:3]}
-    lengths = {name: _list_lengths(table, f"{name}_ids") for name in ("prompt", "chosen", "rejected")}
-
+    numbers = cached_pair_numbers(encoded.data.table, cfg.cache_path / f"pairs-{fingerprint}.numbers.npz")
+    lengths = {side: numbers[f"{side}_length"] for side in SIDES}
     if bad:  # --on-bad-row skip: said, not only counted in the summary
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(bad.items()))
         say_warning(f"{label}: skipped {sum(bad.values())} of {rows} rows (--on-bad-row skip): {reasons}")
-    drop_reason = table.column("drop_reason")
-    is_kept = pc.equal(drop_reason, "")
-    kept = np.flatnonzero(is_kept.to_numpy(zero_copy_only=False))
-    reasons = pc.value_counts(pc.filter(drop_reason, pc.invert(is_kept))).to_pylist()
-    dropped = bad + Counter({reason["values"]: reason["counts"] for reason in reasons})
+    drop_reason = numbers["drop_names"][numbers["drop_code"]]
+    kept = np.flatnonzero(drop_reason == "")
+    reasons, counts = np.unique(drop_reason[drop_reason != ""], return_counts=True)
+    dropped = bad + Counter({str(reason): int(count) for reason, count in zip(reasons, counts)})
     if kept.size == 0:
         raise InputError(f"{label}: no pair left after truncation to max_length={cfg.max_length} ({dict(dropped)})")
-    pairs = encoded.remove_columns(_STAT_COLUMNS)
+    pairs = encoded.remove_columns(list(STAT_COLUMNS))
     if kept.size < len(pairs):
         pairs = pairs.select(kept)
     longest = max(int(values.max(initial=0)) for values in lengths.values())  # of every row the keys cover
@@ -573,9 +556,9 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
         "dropped": dict(sorted(dropped.items())),
         "beyond_max_pairs": beyond_max_pairs,
         **quality,
-        "prompt_truncated": int(stats["prompt_cut"][kept].sum()),
-        "completion_truncated": int(stats["completion_cut"][kept].sum()),
-        "template_prefix_mismatch": int(stats["template_mismatches"].sum()),
+        "prompt_truncated": int(numbers["prompt_cut"][kept].sum()),
+        "completion_truncated": int(numbers["completion_cut"][kept].sum()),
+        "template_prefix_mismatch": int(numbers["template_mismatches"].sum()),
         "tokens": {
             "prompt": _length_stats(lengths["prompt"]),
             "chosen_sequence": _length_stats(chosen_lengths),
@@ -588,7 +571,7 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     warn_if_mostly_truncated(cfg, summary)
     keys = cached_content_keys(encoded, longest, cfg.cache_path / f"pairs-{fingerprint}.keys.npy")
     return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint, lengths["prompt"],
-                         keys if kept.size == len(encoded) else keys[kept])
+                         keys if kept.size == len(encoded) else keys[kept], numbers["pair_id"][kept])
 
 
 def warn_if_mostly_truncated(cfg: DataConfig, summary: dict) -> None:
