@@ -220,6 +220,29 @@ def test_validation_streams_a_json_lines_file(tmp_path):
     assert written[-1]["pair_id"] == 19_999
 
 
+def test_content_positions_are_the_hash_of_each_pairs_ids(dpo_demo_path, demo_tokenizer, cache_dir, monkeypatch):
+    """--eval-fraction's positions, computed with numpy over Arrow blocks, are the SHA-256 of each pair's int64
+    lengths and ids as the per-pair Python code hashed them (so a split does not move): over several blocks, on a
+    selection (the indices mapping a held-out split makes), and of the prompt alone for pairs made from groups."""
+    import hashlib
+
+    from ds_packdpo.data import heldout
+
+    def oracle(prepared, columns):
+        rows = prepared.dataset[:]
+        values = [np.asarray([len(part) for part in ids] + [i for part in ids for i in part], dtype=np.int64)
+                  for ids in zip(*(rows[name] for name in columns))]
+        return np.asarray([int.from_bytes(hashlib.sha256(v.tobytes()).digest()[:8], "little") / 2**64 for v in values])
+
+    monkeypatch.setattr(heldout, "BLOCK_ROWS", 7)
+    prepared = prepare_pairs(DataConfig(str(dpo_demo_path), max_length=128, cache_dir=cache_dir), demo_tokenizer)
+    for pairs in (prepared, heldout.select_pairs(prepared, np.arange(len(prepared.chosen_lengths))[::-3])):
+        want = oracle(pairs, ["prompt_ids", "chosen_ids", "rejected_ids"])
+        assert np.array_equal(heldout.content_positions(pairs), want)
+    grouped = dataclasses.replace(prepared, summary={**prepared.summary, "multi_response": {}})
+    assert np.array_equal(heldout.content_positions(grouped), oracle(grouped, ["prompt_ids"]))
+
+
 def test_a_cache_hit_reads_no_rows(tmp_path, dpo_demo_rows, demo_tokenizer, cache_dir, monkeypatch):
     """The second preparation of an unchanged file (another rank of the node) hashes its bytes and opens the
     tokenized cache: no row is parsed or validated, and the result is the first one's, summary included."""
