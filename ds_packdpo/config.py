@@ -77,7 +77,7 @@ FRACTION = Range(0, 1, high_open=True)  # [0, 1)
 RANGES: dict[str, Range] = {
     **dict.fromkeys(("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "attention_weight",
                      "zero_prefetch_bucket_size", "zero_param_persistence_threshold"), AT_LEAST_0),
-    **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs", "tokenize_procs",
+    **dict.fromkeys(("max_length", "synthetic_pairs", "micro_batch_pairs", "epochs",
                      "sequence_parallel_size", "logging_steps", "max_tokens_per_row", "global_batch_pairs",
                      "tokens_per_step", "max_steps", "max_prompt_length", "max_pairs", "eval_steps", "eval_max_pairs",
                      "save_steps", "save_total_limit", "max_bad_steps", "ref_model_sync_steps", "profile_steps",
@@ -88,6 +88,7 @@ RANGES: dict[str, Range] = {
     "seed": Range(0, LARGEST_SEED, note=" (numpy's seeds)"),
     "stop_grace_s": Range(0, low_open=True, note=" seconds"),
     "lora_r": Range(0, note=" (0: full fine-tuning)"),
+    "tokenize_procs": Range(0, note=" (0: one per 50,000 pairs, up to the cores)"),
     "ref_model_mixup_alpha": Range(0, 1),
     "eval_fraction": Range(0, 1, low_open=True, high_open=True),
 }
@@ -154,7 +155,9 @@ class TrainConfig:
     max_prompt_length: int | None = _opt("Maximum prompt tokens (the prompt is cut from the left).")
     max_pairs: int | None = _opt("Use only the first N valid pairs of the dataset.")
     on_bad_row: str = _opt("What to do with a malformed dataset row.", "error", ("error", "skip"))
-    tokenize_procs: int = _opt("Processes for tokenization (datasets' num_proc; not --num-procs, the ranks).", 1)
+    tokenize_procs: int = _opt("Processes for tokenization (datasets' num_proc; not --num-procs, the ranks); 0: one "
+                               "per 50,000 pairs, up to the cores this process may use (at most 8; 1 inside a rank).",
+                               0)
     cache_dir: str | None = _opt("Tokenization cache folder (default ~/.cache/ds_packdpo).")
     # --- plan ---
     max_tokens_per_row: int | None = _opt(

@@ -23,7 +23,7 @@ from ds_packdpo.config import parse_train_args
 from ds_packdpo.data import pair_keys
 from ds_packdpo.data.plan import (PlanConfig, RowLayout, iter_plan, pack_stats, step_compositions, steps_per_epoch,
                                   write_plan_jsonl)
-from ds_packdpo.data.prompt_groups import PairGroups, pair_groups
+from ds_packdpo.data.prompt_groups import PairGroups
 from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.model import prefix_attention, torch_varlen
 from ds_packdpo.model.build import ARCHITECTURES, build_model
@@ -159,6 +159,20 @@ def grouped_token_pairs(num_prompts: int, seed: int) -> list[dict]:
         pairs += [{"prompt_ids": prompt, "chosen_ids": a, "rejected_ids": b}
                   for i, a in enumerate(responses) for b in responses[i + 1:]]
     return [pairs[i] for i in rng.permutation(len(pairs))]
+
+
+def pair_groups(prompt_ids, chosen_ids, rejected_ids) -> PairGroups:
+    """The oracle of data/pair_keys.groups_of_keys: groups and responses numbered by first appearance of their token
+    ids held as Python tuples (what the package did before keys; ~10 KB of host memory a pair)."""
+    groups: dict[tuple, int] = {}
+    responses: dict[tuple, int] = {}
+    group, chosen, rejected = [], [], []
+    for prompt, good, bad in zip(prompt_ids, chosen_ids, rejected_ids):
+        g = groups.setdefault(tuple(prompt), len(groups))
+        group.append(g)
+        chosen.append(responses.setdefault((g, tuple(good)), len(responses)))
+        rejected.append(responses.setdefault((g, tuple(bad)), len(responses)))
+    return PairGroups(*(np.asarray(values, dtype=np.int64) for values in (group, chosen, rejected)))
 
 
 def plan_inputs(pairs):

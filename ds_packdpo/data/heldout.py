@@ -21,12 +21,14 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow.compute as pc
 
 from ..console import say_warning
 from ..errors import InputError
 from .prepare import DataConfig, PreparedPairs
 
 _HASH_SPAN = float(2 ** 64)  # the first 8 bytes of a SHA-256, as an unsigned integer
+BLOCK_ROWS = 4096  # pairs hashed from one Arrow block
 
 
 @dataclass(frozen=True)
@@ -58,18 +60,39 @@ class EvalSpec:
         return last or bool(self.steps) and global_step % self.steps == 0
 
 
+def _pair_bytes(block, columns: list[str]) -> tuple[bytes, np.ndarray]:
+    """Each pair of an Arrow block as int64 ``[len(column) for column in columns] + ids of each column in turn``, all
+    pairs in one buffer, and the pairs' [start, end) byte offsets in it; numpy over the block, no Python list of ids."""
+    lengths = [pc.list_value_length(block.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
+               for name in columns]
+    sizes = len(columns) + sum(lengths)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    buffer = np.empty(int(ends[-1]) if ends.size else 0, dtype=np.int64)
+    place = starts + len(columns)  # where the next column's ids of each pair go
+    for j, name in enumerate(columns):
+        buffer[starts + j] = lengths[j]
+        ids = pc.list_flatten(block.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
+        before = np.cumsum(lengths[j]) - lengths[j]  # ids of the block's earlier pairs in this column
+        buffer[np.repeat(place - before, lengths[j]) + np.arange(ids.size)] = ids
+        place = place + lengths[j]
+    return buffer.tobytes(), np.stack([starts, ends], axis=1) * 8
+
+
 def content_positions(prepared: PreparedPairs) -> np.ndarray:
-    """Each pair's place in [0, 1): a hash of its prompt, chosen and rejected token ids (of its prompt's alone for
-    pairs made from groups of responses), uniform and deterministic."""
+    """Each pair's place in [0, 1): the first 8 bytes of a SHA-256 of its prompt, chosen and rejected token ids with
+    their lengths (of its prompt's alone for pairs made from groups of responses), uniform and deterministic."""
     grouped = "multi_response" in prepared.summary
     columns = ["prompt_ids"] if grouped else ["prompt_ids", "chosen_ids", "rejected_ids"]
-    keys = []
-    for batch in prepared.dataset.iter(batch_size=4096):
-        for ids in zip(*(batch[column] for column in columns)):
-            digest = hashlib.sha256(np.asarray([len(part) for part in ids] + [i for part in ids for i in part],
-                                               dtype=np.int64).tobytes()).digest()
-            keys.append(int.from_bytes(digest[:8], "little") / _HASH_SPAN)
-    return np.asarray(keys, dtype=np.float64)
+    positions = np.empty(len(prepared.chosen_lengths), dtype=np.float64)
+    done = 0
+    for block in prepared.dataset.select_columns(columns).with_format("arrow").iter(batch_size=BLOCK_ROWS):
+        data, spans = _pair_bytes(block, columns)
+        view = memoryview(data)
+        for start, end in spans.tolist():
+            positions[done] = int.from_bytes(hashlib.sha256(view[start:end]).digest()[:8], "little") / _HASH_SPAN
+            done += 1
+    return positions
 
 
 def select_pairs(prepared: PreparedPairs, positions: np.ndarray) -> PreparedPairs:
@@ -81,7 +104,7 @@ def select_pairs(prepared: PreparedPairs, positions: np.ndarray) -> PreparedPair
                                chosen_lengths=prepared.chosen_lengths[positions],
                                rejected_lengths=prepared.rejected_lengths[positions],
                                prompt_lengths=prepared.prompt_lengths[positions],
-                               content_keys=prepared.content_keys[positions])
+                               content_keys=prepared.content_keys[positions], pair_ids=prepared.pair_ids[positions])
 
 
 def split_by_content(prepared: PreparedPairs, fraction: float) -> tuple[PreparedPairs, PreparedPairs]:

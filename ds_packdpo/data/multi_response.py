@@ -27,6 +27,7 @@ from itertools import combinations
 import numpy as np
 
 from ..errors import InputError
+from .raw_rows import ColumnScan
 from .rows import BadRow, completion_messages, field_value, kind_of, message_list
 
 MULTI_RESPONSE_FORMATS = ("completions", "scored", "ranked")
@@ -102,11 +103,11 @@ class GroupLayout:
     object_list: str
 
     @classmethod
-    def of(cls, fmt: str, prompt_column: str, rows: list[dict]) -> GroupLayout:
-        first_prompt = next((row[prompt_column] for row in rows if row.get(prompt_column) is not None), None)
-        has_ranks = fmt == "ranked" and any(RANKS in row for row in rows)
-        columns = set().union(*(row.keys() for row in rows))
-        return cls(fmt, prompt_column, isinstance(first_prompt, list), has_ranks, _object_list(columns))
+    def of(cls, fmt: str, prompt_column: str, scan: ColumnScan) -> GroupLayout:
+        """The layout of the rows ``scan`` saw (their keys, each key's first non-null value)."""
+        has_ranks = fmt == "ranked" and RANKS in scan.columns
+        return cls(fmt, prompt_column, isinstance(scan.first.get(prompt_column), list), has_ranks,
+                   _object_list(scan.columns))
 
     def _prompt(self, row: dict):
         key = self.prompt_column
@@ -193,28 +194,38 @@ def pair_indices(scores: list[float], rule: str) -> tuple[list[tuple[int, int]],
     return pairs, len(candidates) - len(pairs)
 
 
-def pairs_from_groups(groups: list[Group], rule: str, label: str) -> tuple[list[dict], dict]:
-    """Ordinary pairs (pair_id, prompt, chosen, rejected; ids numbered in order) and the summary of the groups;
-    ``rule`` is one of PAIRS_FROM (DataConfig checks it)."""
-    pairs, ties, without_pairs = [], 0, 0
-    for group in groups:
-        indices, tied = pair_indices(group.scores, rule)
-        ties += tied
-        without_pairs += not indices
-        pairs += [{"pair_id": len(pairs) + n, "prompt": group.prompt, "chosen": group.responses[c],
-                   "rejected": group.responses[r]} for n, (c, r) in enumerate(indices)]
-    if not pairs:
-        raise InputError(f"{label}: no pair: every response of every group ties with the one it is paired with under "
-                         f"--pairs-from {rule} ({ties} ties dropped)")
-    sizes = np.array([len(group.responses) for group in groups])
-    summary = {
-        "pairs_from": rule,
-        "groups": len(groups),
-        "responses_per_group": {"mean": round(float(sizes.mean()), 2), "min": int(sizes.min()),
-                                "max": int(sizes.max())},
-        "pairs_made": len(pairs),
-        "ties_dropped": ties,
-        "groups_without_pairs": without_pairs,
-        "tokens_saved": TOKENS_SAVED_NOTE,
-    }
-    return pairs, summary
+class GroupPairs:
+    """Pairs made group by group as the rows stream in (ids numbered in order), and the summary of the groups once
+    all are in; ``rule`` is one of PAIRS_FROM (DataConfig checks it)."""
+
+    def __init__(self, rule: str):
+        self.rule = rule
+        self.made = self.ties = self.without_pairs = 0
+        self.sizes: list[int] = []
+
+    def pairs(self, group: Group) -> list[dict]:
+        """The ordinary pairs (pair_id, prompt, chosen, rejected) of one group."""
+        indices, tied = pair_indices(group.scores, self.rule)
+        self.ties += tied
+        self.without_pairs += not indices
+        self.sizes.append(len(group.responses))
+        pairs = [{"pair_id": self.made + n, "prompt": group.prompt, "chosen": group.responses[c],
+                  "rejected": group.responses[r]} for n, (c, r) in enumerate(indices)]
+        self.made += len(pairs)
+        return pairs
+
+    def summary(self, label: str) -> dict:
+        if not self.made:
+            raise InputError(f"{label}: no pair: every response of every group ties with the one it is paired with "
+                             f"under --pairs-from {self.rule} ({self.ties} ties dropped)")
+        sizes = np.asarray(self.sizes)
+        return {
+            "pairs_from": self.rule,
+            "groups": len(self.sizes),
+            "responses_per_group": {"mean": round(float(sizes.mean()), 2), "min": int(sizes.min()),
+                                    "max": int(sizes.max())},
+            "pairs_made": self.made,
+            "ties_dropped": self.ties,
+            "groups_without_pairs": self.without_pairs,
+            "tokens_saved": TOKENS_SAVED_NOTE,
+        }

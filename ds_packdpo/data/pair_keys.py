@@ -1,13 +1,13 @@
 """The prompt groups of tokenized pairs read from their Arrow table in blocks: numpy keys, never Python lists of rows.
 
-``prompt_groups.pair_groups`` numbers prompts and responses by their token ids held as Python tuples: ~10 KB of
-host memory per pair (a million pairs: ~10 GB, in every rank and the front process).  Here each token sequence
-becomes a 128-bit key, two hashes ``length * w[L] + sum_i ids[i] * w[i] mod 2**64`` with random odd weights per
-position (two different sequences share a hash with probability <= 2**-44, both with <= 2**-88: token ids and
-lengths differ by less than 2**20), computed from the memory-mapped table a block of rows at a time; the same
-first-appearance numbering is then done on the keys.  The keys of a tokenized cache file are saved beside it
-(``prepare`` writes them), so a warm run plans without reading a token id.  ``tests/test_grouping.py`` checks the
-two give the same groups.
+Numbering prompts and responses by their token ids held as Python tuples costs ~10 KB of host memory per pair (a
+million pairs: ~10 GB, in every rank and the front process).  Here each token sequence becomes a 128-bit key, two
+hashes ``length * w[L] + sum_i ids[i] * w[i] mod 2**64`` with random odd weights per position (two different
+sequences share a hash with probability <= 2**-44, both with <= 2**-88: token ids and lengths differ by less than
+2**20), computed from the memory-mapped table a block of rows at a time; the first-appearance numbering of groups
+and responses is then done on the keys (the package's only numbering of them).  The keys of a tokenized cache file
+are saved beside it (``prepare`` writes them), so a warm run plans without reading a token id.
+``tests/test_grouping.py`` checks the keys give the groups its tuple oracle gives.
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ def cached_content_keys(dataset: datasets.Dataset, longest: int, path: Path) -> 
 
 
 def groups_of_keys(keys: np.ndarray) -> PairGroups:
-    """The pairs' groups from their :func:`content_keys`, numbered as ``pair_groups`` numbers them."""
+    """The pairs' groups from their :func:`content_keys`: groups and responses numbered by first appearance."""
     group = _first_appearance_ids(np.asarray(keys[:, 0]))
-    # a response is (its group, its tokens), numbered in the order pair_groups meets them: chosen, rejected, next pair
+    # a response is (its group, its tokens), numbered in the order they appear: chosen, rejected, next pair
     responses = np.empty((2 * group.size, 3), dtype=np.uint64)
     responses[0::2, 0] = responses[1::2, 0] = group
     responses[0::2, 1:], responses[1::2, 1:] = keys[:, 1], keys[:, 2]

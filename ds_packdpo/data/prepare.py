@@ -24,31 +24,30 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import re
+import os
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ..console import say_warning
 from ..errors import InputError
 from ..files import atomic_write
-from .multi_response import (MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, columns_for, detect_layout,
-                             pairs_from_groups)
+from .multi_response import MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, GroupPairs, columns_for, detect_layout
+from .normalized import NormalizedPairs
 from .pair_keys import cached_content_keys
+from .pair_numbers import SIDES, STAT_COLUMNS, cached_pair_numbers
+from .raw_rows import ColumnScan, RawRows, open_rows, rows_in_memory
 from .rows import BadRow, completion_messages, every_field, field_value, kind_of, message_list, text_value
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "sharegpt", *MULTI_RESPONSE_FORMATS)
 ON_BAD_ROW = ("error", "skip")
 BAD_ROWS_NAMED = 10  # the bad rows one error names (all are counted)
 MOST = 0.5  # truncation of more than this fraction of the prompts or the completions is said on stderr
-FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 SHAREGPT_SPELLING = {chat: source for source, chat in SHAREGPT_ROLES.items()}  # errors name roles as the file does
 # Part of every fingerprint: bump it when tokenization or truncation rules change,
@@ -56,7 +55,6 @@ SHAREGPT_SPELLING = {chat: source for source, chat in SHAREGPT_ROLES.items()}  #
 DATA_VERSION = 1
 DEFAULT_CACHE_DIR = "~/.cache/ds_packdpo"
 PAIR_COLUMNS = ("pair_id", "prompt_ids", "chosen_ids", "rejected_ids")
-_STAT_COLUMNS = ["prompt_cut", "completion_cut", "template_mismatches", "drop_reason"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ class DataConfig:
     max_length: int = 1024
     max_prompt_length: int | None = None
     on_bad_row: str = "error"       # "error" | "skip"
-    tokenize_procs: int = 1  # datasets.map's num_proc
+    tokenize_procs: int = 0  # datasets.map's num_proc; 0: tokenize_processes() picks it
     cache_dir: str | None = None
     max_pairs: int | None = None    # keep only the first N valid pairs (handy for tests/bench)
     pairs_from: str = "best-vs-worst"  # pairs of a row with several responses (multi_response.PAIRS_FROM)
@@ -84,10 +82,12 @@ class DataConfig:
             raise InputError(f"pairs_from '{self.pairs_from}' is not one of {', '.join(PAIRS_FROM)}")
         if self.on_bad_row not in ON_BAD_ROW:
             raise InputError(f"on_bad_row '{self.on_bad_row}' is not one of {', '.join(ON_BAD_ROW)}")
-        for key in ("max_length", "tokenize_procs", "max_prompt_length", "max_pairs"):
+        for key in ("max_length", "max_prompt_length", "max_pairs"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise InputError(f"{key} must be >= 1, got {value}")
+        if self.tokenize_procs < 0:
+            raise InputError(f"tokenize_procs must be >= 0, got {self.tokenize_procs}")
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
             raise InputError(f"--max-prompt-length ({self.max_prompt_length}) must be below --max-length "
                              f"({self.max_length})")
@@ -123,143 +123,7 @@ class PreparedPairs:
     fingerprint: str                # (content, tokenizer, settings); keys caches and precomputed reference log-probs
     prompt_lengths: np.ndarray      # int64 [N]: len(prompt_ids) (what prefix sharing computes once per pair)
     content_keys: np.ndarray        # uint64 [N, 3, 2]: keys of the prompt, chosen and rejected ids (data/pair_keys.py)
-
-    @property
-    def pair_ids(self) -> np.ndarray:
-        """int64 [N]: each pair's id, read from the table once (a numpy array, not a list of a million ints)."""
-        if "_pair_ids" not in self.__dict__:
-            column = self.dataset.select_columns(["pair_id"]).with_format("numpy")[:]["pair_id"]
-            self.__dict__["_pair_ids"] = column.astype(np.int64)
-        return self.__dict__["_pair_ids"]
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-# ----------------------------------------------------------------------------- loading
-# Local .json/.jsonl are parsed with the stdlib: datasets' json builder reports a
-# truncated file, a bad line or mixed types as a pyarrow error with no row number.
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
-
-
-def _position(text: str, pos: int) -> str:
-    line = text.count("\n", 0, pos) + 1
-    column = pos - text.rfind("\n", 0, pos)
-    return f"line {line} column {column}"
-
-
-def _read_text(path: Path, label: str) -> str:
-    data = path.read_bytes()
-    if b"\x00" in data:
-        raise InputError(f"{label}: binary content (NUL bytes), not a JSON text file")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{label}: not UTF-8 text (binary content?), bad byte at offset {exc.start}") from None
-    if not text.strip():
-        raise InputError(f"{label}: the file is empty")
-    return text
-
-
-def _json_array_rows(text: str, start: int, label: str) -> list:
-    """Parses the JSON list opening at ``text[start]`` element by element, so an error names the row it is in."""
-    decoder = json.JSONDecoder()
-    pos = _WHITESPACE.match(text, start + 1).end()
-    rows: list = []
-    if text.startswith("]", pos):
-        return rows
-    while True:
-        try:
-            value, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as exc:
-            where = _position(text, exc.pos)
-            # as json itself words it: "<msg>: line L column C" (its msg may end in "at": "... starting at")
-            message = f"{label} row {len(rows)}: not valid JSON, truncated or malformed ({exc.msg}: {where})"
-            raise InputError(message) from None
-        rows.append(value)
-        pos = _WHITESPACE.match(text, pos).end()
-        if pos == len(text):
-            raise InputError(f"{label} row {len(rows) - 1}: the JSON list is not closed (truncated file?)")
-        if text[pos] == "]":
-            break
-        if text[pos] != ",":
-            where = _position(text, pos)
-            raise InputError(f"{label} row {len(rows) - 1}: expected ',' or ']' after the row at {where}")
-        pos = _WHITESPACE.match(text, pos + 1).end()
-    end = _WHITESPACE.match(text, pos + 1).end()
-    if end != len(text):
-        raise InputError(f"{label}: unexpected data after the JSON list at {_position(text, end)}")
-    return rows
-
-
-def _json_lines_rows(text: str) -> list[tuple[str, object]]:
-    """(location, value) per non-blank line; an unreadable line becomes a BadRow value."""
-    records = []
-    for line_no, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"row {len(records)} (line {line_no})"
-        try:
-            records.append((where, json.loads(line)))
-        except json.JSONDecodeError as exc:
-            problem = BadRow("unreadable_json_line", f"not valid JSON ({exc.msg}: column {exc.colno})")
-            records.append((where, problem))
-    return records
-
-
-def _read_arrow_table(path: Path, label: str) -> pa.Table:
-    """Arrow IPC stream (what datasets writes) or IPC file; pyarrow reads it in place, no cache copy."""
-    for open_reader in (pa.ipc.open_stream, pa.ipc.open_file):
-        try:
-            with pa.memory_map(str(path)) as source:
-                return open_reader(source).read_all()
-        except (pa.ArrowInvalid, OSError) as exc:
-            error = exc
-    raise InputError(f"{label}: not a readable Arrow file ({_one_line(error)})")
-
-
-def _load_records(cfg: DataConfig) -> list[tuple[str, object]]:
-    """Raw rows of the dataset as (location, value); the row index is the position in the list."""
-    label = cfg.dataset
-    path = Path(cfg.dataset).expanduser()
-    if path.is_dir():
-        try:
-            loaded = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError, OSError, pa.ArrowInvalid) as exc:
-            raise InputError(f"{label}: not a folder written by save_to_disk ({_one_line(exc)})") from None
-        if isinstance(loaded, datasets.DatasetDict):
-            if cfg.split not in loaded:
-                raise InputError(f"{label}: no split '{cfg.split}'; splits found: {', '.join(loaded)}")
-            loaded = loaded[cfg.split]
-        values = loaded.to_list()
-    elif path.is_file():
-        suffix = path.suffix.lower()
-        if suffix in (".json", ".jsonl"):
-            text = _read_text(path, label)
-            start = _WHITESPACE.match(text).end()
-            if suffix == ".jsonl" or text[start] != "[":
-                return _json_lines_rows(text)  # like datasets, a .json file may hold JSON lines
-            values = _json_array_rows(text, start, label)
-        elif suffix == ".parquet":
-            try:
-                values = pq.read_table(str(path)).to_pylist()
-            except (pa.ArrowInvalid, OSError) as exc:
-                raise InputError(f"{label}: not a readable Parquet file ({_one_line(exc)})") from None
-        elif suffix == ".arrow":
-            values = _read_arrow_table(path, label).to_pylist()
-        else:
-            raise InputError(f"{label}: unsupported file type '{suffix}'; expected one of {', '.join(FILE_SUFFIXES)}")
-    elif path.suffix.lower() in FILE_SUFFIXES or cfg.dataset.startswith(("/", ".", "~")):
-        raise InputError(f"{label}: no such file or folder")
-    else:
-        try:
-            values = datasets.load_dataset(cfg.dataset, split=cfg.split).to_list()
-        except Exception as exc:  # the hub raises many types (network, auth, missing repo): all are user-facing
-            reason = _one_line(exc)
-            message = f"{label}: not a local file or folder, and loading it from the hub failed ({reason})"
-            raise InputError(message) from None
-    return [(f"row {i}", value) for i, value in enumerate(values)]
+    pair_ids: np.ndarray            # int64 [N]: each pair's id (data/pair_numbers.py)
 
 
 # ----------------------------------------------------------------------------- formats
@@ -273,12 +137,8 @@ def _columns_for(cfg: DataConfig, fmt: str, columns=()) -> list[str]:
     return [cfg.prompt_column, cfg.chosen_column, cfg.rejected_column]
 
 
-def _first_value(rows: list[dict], key: str):
-    return next((row[key] for row in rows if row.get(key) is not None), None)
-
-
-def _detect_format(cfg: DataConfig, rows: list[dict], label: str) -> str:
-    columns = set().union(*(row.keys() for row in rows))
+def _detect_format(cfg: DataConfig, scan: ColumnScan, label: str) -> str:
+    columns = scan.columns
     if cfg.format != "auto":
         missing = [c for c in _columns_for(cfg, cfg.format, columns) if c not in columns]
         if missing:
@@ -291,8 +151,8 @@ def _detect_format(cfg: DataConfig, rows: list[dict], label: str) -> str:
         if cfg.conversations_column in columns:
             return "sharegpt"
         if cfg.prompt_column in columns:
-            return "conversational" if isinstance(_first_value(rows, cfg.prompt_column), list) else "standard"
-        if isinstance(_first_value(rows, cfg.chosen_column), list):
+            return "conversational" if isinstance(scan.first.get(cfg.prompt_column), list) else "standard"
+        if isinstance(scan.first.get(cfg.chosen_column), list):
             return "implicit"
     multi = detect_layout(columns, cfg.prompt_column, label)
     if multi is not None:
@@ -353,33 +213,39 @@ def _normalize_row(row, fmt: str, cfg: DataConfig) -> dict:
                         "chosen": lambda: one_message(c_key), "rejected": lambda: one_message(r_key)})
 
 
-def _validate(records: list[tuple[str, object]], cfg: DataConfig, label: str
-              ) -> tuple[str, list[dict], Counter, dict | None]:
-    """Every row checked before any tokenization; returns (format, normalized pairs with pair_id, bad-row counts, and
-    for rows with several responses the summary of their groups).
+def _validate(source: RawRows, cfg: DataConfig, out: NormalizedPairs) -> tuple[str, int, Counter, dict | None]:
+    """Every row checked before any tokenization, the valid pairs written to ``out`` as they come (a first pass over
+    the rows learns their columns, the second validates); returns (format, rows, bad-row counts, and for rows with
+    several responses the summary of their groups).
 
     A pair row's pair_id is its row index; the pairs made from groups are numbered in order.
     """
-    if not records:
+    label = source.label
+    scan = source.scan()
+    if not scan.rows:
         raise InputError(f"{label}: the dataset has no rows")
-    objects = [value for _, value in records if isinstance(value, dict)]
     # With no object at all, every row fails on its own below, before the format matters.
-    fmt = _detect_format(cfg, objects, label) if objects else cfg.format
+    fmt = _detect_format(cfg, scan, label) if scan.objects else cfg.format
     grouped = fmt in MULTI_RESPONSE_FORMATS
-    read = GroupLayout.of(fmt, cfg.prompt_column, objects).read if grouped else (
-        lambda row: _normalize_row(row, fmt, cfg))
-    valid, bad, named = [], Counter(), []
-    for index, (where, value) in enumerate(records):
+    groups = GroupPairs(cfg.pairs_from) if grouped else None
+    layout = GroupLayout.of(fmt, cfg.prompt_column, scan) if grouped else None
+    valid, bad, named = 0, Counter(), []
+    for index, (where, value) in enumerate(source):
         try:
             if isinstance(value, BadRow):
                 raise value
             if not isinstance(value, dict):
                 raise BadRow("not_an_object", f"a row must be an object, got {kind_of(value)}")
-            valid.append((index, read(value)))
+            pairs = groups.pairs(layout.read(value)) if grouped else [
+                {"pair_id": index, **_normalize_row(value, fmt, cfg)}]
         except BadRow as problem:
             bad[problem.reason] += 1
             if len(named) < BAD_ROWS_NAMED:
                 named.append(f"{where}: {problem.detail}")
+            continue
+        valid += 1
+        for pair in pairs:
+            out.add(pair)
     if bad and cfg.on_bad_row == "error":  # every bad row of the file in one pass, the first few named
         total = sum(bad.values())
         if total == 1:
@@ -389,10 +255,7 @@ def _validate(records: list[tuple[str, object]], cfg: DataConfig, label: str
                          f"skip to leave them out)")
     if not valid:
         raise InputError(f"{label}: no valid {'groups' if grouped else 'pairs'} (bad rows: {dict(bad)})")
-    if grouped:
-        pairs, groups = pairs_from_groups([group for _, group in valid], cfg.pairs_from, label)
-        return fmt, pairs, bad, groups
-    return fmt, [{"pair_id": index, **row} for index, row in valid], bad, None
+    return fmt, scan.rows, bad, groups.summary(label) if grouped else None
 
 
 # ----------------------------------------------------------------------------- tokenization
@@ -442,6 +305,21 @@ def _chat_completion_ids(tokenizer, batch: dict, key: str, prompt_ids: list, lab
             )
         completion_ids.append(tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"])
     return completion_ids, mismatched
+
+
+PAIRS_PER_TOKENIZE_PROC = 50_000  # below this, a worker process costs more to start than it saves
+MOST_TOKENIZE_PROCS = 8
+
+
+def tokenize_processes(asked: int, pairs: int) -> int | None:
+    """datasets.map's num_proc: ``asked``, or for 0 one process per PAIRS_PER_TOKENIZE_PROC pairs up to the cores this
+    process may use (at most MOST_TOKENIZE_PROCS), and one inside a rank (a rank preparing data under a hand-started
+    launcher has its collectives' threads running: no fork there).  None for one: num_proc=1 would still spawn a worker
+    process in datasets; None runs in this one."""
+    if asked == 0:
+        asked = 1 if "LOCAL_RANK" in os.environ else min(len(os.sched_getaffinity(0)), MOST_TOKENIZE_PROCS,
+                                                          -(-pairs // PAIRS_PER_TOKENIZE_PROC))
+    return asked if asked > 1 else None
 
 
 def truncation_lengths(prompt_len, chosen_len, rejected_len, max_length: int, max_prompt_length: int | None):
@@ -500,10 +378,6 @@ def _length_stats(lengths: np.ndarray) -> dict:
         "max": int(lengths.max()),
         "total": int(lengths.sum()),
     }
-
-
-def _list_lengths(table: pa.Table, column: str) -> np.ndarray:
-    return pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 # Settings that change nothing in the tokenized pairs: a cache filled with one value serves the others.
@@ -575,52 +449,55 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
         print(f"tokenizing {cfg.dataset}: {why_tokenized_afresh(cache_dir, source_parts)}", file=sys.stderr,
               flush=True)
     label = cfg.dataset
-    records = [(f"row {i}", row) for i, row in enumerate(rows)] if rows is not None else _load_records(cfg)
-    fmt, normalized, bad, groups = _validate(records, cfg, label)
-    beyond_max_pairs = 0
-    if cfg.max_pairs is not None and len(normalized) > cfg.max_pairs:
-        beyond_max_pairs = len(normalized) - cfg.max_pairs
-        normalized = normalized[: cfg.max_pairs]
-    quality = _quality_counts(normalized)
-    conversational = isinstance(normalized[0]["prompt"], list)  # every row's prompt is of the first row's kind
-    if not conversational and tokenizer.eos_token_id is None:
-        raise InputError(f"{label}: standard-format completions end with EOS, but the tokenizer has no eos_token")
-    if conversational and not getattr(tokenizer, "chat_template", None):
-        raise InputError(f"{label}: {fmt} data needs a tokenizer with a chat template, and this one has none")
-
-    key = {
-        "version": DATA_VERSION,
-        "content": hashlib.sha256(json.dumps(normalized, sort_keys=True, ensure_ascii=False).encode()).hexdigest(),
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-        "format": fmt,
-        "max_length": cfg.max_length,
-        "max_prompt_length": cfg.max_prompt_length,
-    }
-    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-
-    with progress_bars(cfg.progress):
-        encoded = datasets.Dataset.from_list(normalized).map(
-            _encode_batch,
-            batched=True,
-            # num_proc=1 would still spawn a worker process in datasets; None runs in this one.
-            num_proc=cfg.tokenize_procs if cfg.tokenize_procs > 1 else None,
-            fn_kwargs=dict(
-                tokenizer=tokenizer,
-                conversational=conversational,
-                max_length=cfg.max_length,
-                max_prompt_length=cfg.max_prompt_length,
-                label=label,
-                bos=[tokenizer.bos_token_id] if _adds_bos(tokenizer) else [],
-            ),
-            remove_columns=["prompt", "chosen", "rejected"],
-            cache_file_name=str(cfg.cache_file(fingerprint)),
-            new_fingerprint=fingerprint,  # explicit: datasets would otherwise hash the tokenizer with dill
-            desc="tokenize pairs",
-        )
-    prepared = _finish(cfg, encoded, fingerprint, fmt, len(records), bad, beyond_max_pairs, quality, groups)
+    source = rows_in_memory(rows, label) if rows is not None else open_rows(cfg.dataset, cfg.split)
+    handle, normalized_file = tempfile.mkstemp(prefix="normalizing-", suffix=".arrow", dir=cache_dir)
+    os.close(handle)
+    out = NormalizedPairs(Path(normalized_file), cfg.max_pairs)
+    try:
+        try:
+            fmt, row_count, bad, groups = _validate(source, cfg, out)
+        except BaseException:
+            out.discard()
+            raise
+        normalized = out.close()
+        if not out.conversational and tokenizer.eos_token_id is None:
+            raise InputError(f"{label}: standard-format completions end with EOS, but the tokenizer has no eos_token")
+        if out.conversational and not getattr(tokenizer, "chat_template", None):
+            raise InputError(f"{label}: {fmt} data needs a tokenizer with a chat template, and this one has none")
+        key = {
+            "version": DATA_VERSION,
+            "content": out.content_hash(),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "format": fmt,
+            "max_length": cfg.max_length,
+            "max_prompt_length": cfg.max_prompt_length,
+        }
+        fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        with progress_bars(cfg.progress):
+            encoded = normalized.map(
+                _encode_batch,
+                batched=True,
+                num_proc=tokenize_processes(cfg.tokenize_procs, out.kept),
+                fn_kwargs=dict(
+                    tokenizer=tokenizer,
+                    conversational=out.conversational,
+                    max_length=cfg.max_length,
+                    max_prompt_length=cfg.max_prompt_length,
+                    label=label,
+                    bos=[tokenizer.bos_token_id] if _adds_bos(tokenizer) else [],
+                ),
+                remove_columns=["prompt", "chosen", "rejected"],
+                cache_file_name=str(cfg.cache_file(fingerprint)),
+                new_fingerprint=fingerprint,  # explicit: datasets would otherwise hash the tokenizer with dill
+                desc="tokenize pairs",
+            )
+    finally:
+        Path(normalized_file).unlink(missing_ok=True)  # the tokenized pairs are in the cache now
+    quality, beyond_max_pairs = out.quality(), out.beyond_max_pairs
+    prepared = _finish(cfg, encoded, fingerprint, fmt, row_count, bad, beyond_max_pairs, quality, groups)
     if index is not None:  # written once the pairs are: a reader never finds an index without its cache
         atomic_write(index, lambda temporary: Path(temporary).write_text(json.dumps(
-            {"fingerprint": fingerprint, "fmt": fmt, "rows": len(records), "bad": dict(bad),
+            {"fingerprint": fingerprint, "fmt": fmt, "rows": row_count, "bad": dict(bad),
              "beyond_max_pairs": beyond_max_pairs, "quality": quality, "multi_response": groups,
              "key": source_parts})))
     return prepared
@@ -635,17 +512,6 @@ def progress_bars(shown: bool):
         yield
     finally:
         (datasets.enable_progress_bars if was_shown else datasets.disable_progress_bars)()
-
-
-def _quality_counts(normalized: list[dict]) -> dict[str, int]:
-    """Pairs that train but probably should not as they are: the counts of prepare's summary (and its warnings)."""
-    distinct = {json.dumps([row["prompt"], row["chosen"], row["rejected"]], sort_keys=True) for row in normalized}
-    return {
-        "identical_chosen_rejected": sum(row["chosen"] == row["rejected"] for row in normalized),
-        "duplicate_pairs": len(normalized) - len(distinct),
-        "prompt_ends_with_assistant": sum(isinstance(row["prompt"], list) and row["prompt"][-1]["role"] == "assistant"
-                                          for row in normalized),
-    }
 
 
 _QUALITY_WARNINGS = {
@@ -664,19 +530,18 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     for key, count in quality.items():
         if count:
             say_warning(f"{label}: {count} {_QUALITY_WARNINGS[key]}")
-    table = encoded.data.table
-    stats = {name: table.column(name).to_numpy(zero_copy_only=False) for name in _STAT_COLUMNS}
-    lengths = {name: _list_lengths(table, f"{name}_ids") for name in ("prompt", "chosen", "rejected")}
-
+    numbers = cached_pair_numbers(encoded.data.table, cfg.cache_path / f"pairs-{fingerprint}.numbers.npz")
+    lengths = {side: numbers[f"{side}_length"] for side in SIDES}
     if bad:  # --on-bad-row skip: said, not only counted in the summary
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(bad.items()))
         say_warning(f"{label}: skipped {sum(bad.values())} of {rows} rows (--on-bad-row skip): {reasons}")
-    drop_reason = stats["drop_reason"]
+    drop_reason = numbers["drop_names"][numbers["drop_code"]]
     kept = np.flatnonzero(drop_reason == "")
-    dropped = bad + Counter(drop_reason[drop_reason != ""].tolist())
+    reasons, counts = np.unique(drop_reason[drop_reason != ""], return_counts=True)
+    dropped = bad + Counter({str(reason): int(count) for reason, count in zip(reasons, counts)})
     if kept.size == 0:
         raise InputError(f"{label}: no pair left after truncation to max_length={cfg.max_length} ({dict(dropped)})")
-    pairs = encoded.remove_columns(_STAT_COLUMNS)
+    pairs = encoded.remove_columns(list(STAT_COLUMNS))
     if kept.size < len(pairs):
         pairs = pairs.select(kept)
     longest = max(int(values.max(initial=0)) for values in lengths.values())  # of every row the keys cover
@@ -691,9 +556,9 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
         "dropped": dict(sorted(dropped.items())),
         "beyond_max_pairs": beyond_max_pairs,
         **quality,
-        "prompt_truncated": int(stats["prompt_cut"][kept].sum()),
-        "completion_truncated": int(stats["completion_cut"][kept].sum()),
-        "template_prefix_mismatch": int(stats["template_mismatches"].sum()),
+        "prompt_truncated": int(numbers["prompt_cut"][kept].sum()),
+        "completion_truncated": int(numbers["completion_cut"][kept].sum()),
+        "template_prefix_mismatch": int(numbers["template_mismatches"].sum()),
         "tokens": {
             "prompt": _length_stats(lengths["prompt"]),
             "chosen_sequence": _length_stats(chosen_lengths),
@@ -706,7 +571,7 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     warn_if_mostly_truncated(cfg, summary)
     keys = cached_content_keys(encoded, longest, cfg.cache_path / f"pairs-{fingerprint}.keys.npy")
     return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint, lengths["prompt"],
-                         keys if kept.size == len(encoded) else keys[kept])
+                         keys if kept.size == len(encoded) else keys[kept], numbers["pair_id"][kept])
 
 
 def warn_if_mostly_truncated(cfg: DataConfig, summary: dict) -> None:

@@ -26,20 +26,6 @@ class PairGroups:
         return int(self.group.max()) + 1 if self.group.size else 0
 
 
-def pair_groups(prompt_ids, chosen_ids, rejected_ids) -> PairGroups:
-    """The groups of pairs given as token-id sequences (columns of the tokenized dataset)."""
-    groups: dict[tuple, int] = {}
-    responses: dict[tuple, int] = {}
-    group, chosen, rejected = [], [], []
-    for prompt, good, bad in zip(prompt_ids, chosen_ids, rejected_ids):
-        key = tuple(prompt)
-        g = groups.setdefault(key, len(groups))
-        group.append(g)
-        chosen.append(responses.setdefault((g, tuple(good)), len(responses)))
-        rejected.append(responses.setdefault((g, tuple(bad)), len(responses)))
-    return PairGroups(*(np.asarray(values, dtype=np.int64) for values in (group, chosen, rejected)))
-
-
 def group_permutation(groups: PairGroups, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """(pair order, group boundary after each pair): the groups in a seeded order, each group's pairs together in
     pair order.  With every group a single pair this is ``rng.permutation(N)`` (the ungrouped composition)."""
