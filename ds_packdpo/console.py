@@ -56,6 +56,17 @@ def say_warning(text: str) -> None:
     print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
+_SAID_IN_THIS_PROCESS: set[str] = set()
+
+
+def say_warning_once(text: str) -> None:
+    """:func:`say_warning` at most once per process for one text: for a guard inside a step, which meets its cause
+    at every step."""
+    if text not in _SAID_IN_THIS_PROCESS:
+        _SAID_IN_THIS_PROCESS.add(text)
+        say_warning(text)
+
+
 def said_already():
     """A block whose :func:`say_warning` lines were said before in this process (bench prepares the same data once
     per configuration): none again.  The environment is restored after it."""

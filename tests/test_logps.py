@@ -201,6 +201,34 @@ def test_lean_falls_back_to_plain_for_post_processed_logits():
     assert lean_lm_head(model) is None
 
 
+def test_a_log_prob_fallback_is_said_once_per_job(monkeypatch, capsys):
+    """The guard inside forward_logps meets its cause at every step: rank 0 says it in one ``warning:`` line the
+    first time, the other ranks never (a Python warning printed once per rank, with a file and line)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from ds_packdpo import console
+    from ds_packdpo.model.build import tiny_config
+    from ds_packdpo.model.collate import collate_packed
+    from ds_packdpo.model.guard import synthetic_pairs
+    from ds_packdpo.model.logps import forward_logps
+
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=64))
+    model.config.logit_scale = 0.5
+    batch = collate_packed(synthetic_pairs(2, 64, seed=0), [0, 1], 0)
+    for rank in ("1", "0"):  # each rank a process of its own: its own memory of what it said
+        monkeypatch.setattr(console, "_SAID_IN_THIS_PROCESS", set())
+        monkeypatch.setenv("RANK", rank)
+        for _step in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no Python warning either
+                forward_logps(model, batch, "sdpa", impl="lean")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["warning: lean log-probs: this model post-processes its logits or has no linear lm_head; "
+                     "computing full logits instead"]
+
+
 def test_auto_chunk_is_the_largest_under_half_the_floor_and_is_the_chunk_used(monkeypatch, tmp_path):
     """--logps-chunk-tokens auto: the chunk is the largest whose fp32 logits and gradient fit in half of the
     stage's floor ((T + V) x H elements), so it grows with the row, the width and the dtype's size and shrinks

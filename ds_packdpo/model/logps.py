@@ -30,12 +30,12 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-import warnings
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.profiler import record_function
 
+from ..console import say_warning_once
 from ..errors import InputError
 from . import fused_logps
 from .attention import model_forward_kwargs
@@ -581,14 +581,14 @@ def forward_logps(model, batch: ModelBatch, attn: str, chunk_tokens: int | str =
     chunk_tokens = _chunk_for(chunk_tokens, model, batch)
     head = lean_lm_head(model) if implementation.linear_head else None
     if implementation.linear_head and head is None:
-        warnings.warn(f"{impl} log-probs: this model post-processes its logits or has no linear lm_head; "
-                      "computing full logits instead", stacklevel=2)
+        say_warning_once(f"{impl} log-probs: this model post-processes its logits or has no linear lm_head; "
+                         "computing full logits instead")
         implementation = LOGPS_IMPLEMENTATIONS[PLAIN]
     why = head is not None and implementation.head_obstacle(final_logit_softcap(model),
                                                             split_head(head)[1] is not None, head.bias is not None)
     if why:  # phase one refuses what the config tells of it; here the values never go wrong whoever calls
-        warnings.warn(f"{impl} log-probs: the lm_head has a bias, an adapter or a final soft-cap, which the {impl} "
-                      f"kernel does not hold ({why}); computing lean log-probs instead", stacklevel=2)
+        say_warning_once(f"{impl} log-probs: the lm_head has a bias, an adapter or a final soft-cap, which the {impl} "
+                         f"kernel does not hold ({why}); computing lean log-probs instead")
         implementation = LOGPS_IMPLEMENTATIONS[LEAN]
     rows, targets, seq = scored_tokens(batch)
     scored = implementation.kernel(model, batch, attn, head, rows, targets, chunk_tokens, weighting.wpo,
