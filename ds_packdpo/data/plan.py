@@ -337,12 +337,13 @@ def _cut_at_group_ends(order: np.ndarray, ends: np.ndarray, pair_tokens_both: np
         reached, target = np.cumsum(pair_tokens_both[order]), cfg.tokens_per_step
     steps, start, done = [], 0, 0
     boundaries = np.flatnonzero(ends) + 1
+    at_boundaries = reached[boundaries - 1]  # non-decreasing: binary searches, not a scan of every group per step
     while start < order.size:
-        after = boundaries[boundaries > start]
-        enough = after[reached[after - 1] - done >= target]
-        end = int(enough[0]) if enough.size else order.size
-        if not enough.size and cfg.drop_last:
+        first = max(int(np.searchsorted(boundaries, start, side="right")),
+                    int(np.searchsorted(at_boundaries, done + target, side="left")))
+        if first == boundaries.size and cfg.drop_last:
             break
+        end = int(boundaries[first]) if first < boundaries.size else order.size
         steps.append(order[start:end])
         done = int(reached[end - 1])
         start = end
