@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import datasets
@@ -241,6 +242,29 @@ def test_content_positions_are_the_hash_of_each_pairs_ids(dpo_demo_path, demo_to
         assert np.array_equal(heldout.content_positions(pairs), want)
     grouped = dataclasses.replace(prepared, summary={**prepared.summary, "multi_response": {}})
     assert np.array_equal(heldout.content_positions(grouped), oracle(grouped, ["prompt_ids"]))
+
+
+def test_a_killed_prepares_temporary_file_is_removed_by_the_next(tmp_path, demo_tokenizer):
+    """prepare writes its normalized pairs to a temporary file named with host and process id: one left by a process
+    of this host that is gone (SIGKILL) is removed by the next prepare; a live process's, or another host's (a shared
+    cache folder), is kept."""
+    import socket
+    import subprocess
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    abandoned = cache / f"normalizing-{host}-{gone.pid}-x1.arrow"
+    alive = cache / f"normalizing-{host}-{os.getpid()}-x2.arrow"
+    elsewhere = cache / f"normalizing-{host}z-{gone.pid}-x3.arrow"
+    for path in (abandoned, alive, elsewhere):
+        path.write_bytes(b"")
+    rows = [{"prompt": "Hi", "chosen": "Hello.", "rejected": "No."}]
+    prepare_pairs(DataConfig("mem", cache_dir=str(cache)), demo_tokenizer, rows=rows)
+    assert not abandoned.exists() and alive.exists() and elsewhere.exists()
+    assert sorted(cache.glob(f"normalizing-{host}-{os.getpid()}-*")) == [alive]  # its own removed as it finished
 
 
 def test_a_cache_hit_reads_no_rows(tmp_path, dpo_demo_rows, demo_tokenizer, cache_dir, monkeypatch):

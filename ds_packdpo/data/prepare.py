@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
 import sys
 import tempfile
 from collections import Counter
@@ -426,6 +427,16 @@ def why_tokenized_afresh(cache_dir: Path, key: dict) -> str:
     return f"its cache in {cache_dir} has other settings ({'; '.join(nearest)})"
 
 
+def remove_abandoned_normalizing(cache_dir: Path) -> None:
+    """Removes the temporary normalized pairs of a ``prepare`` of this host that died without its cleanup (SIGKILL,
+    out of memory): named with host and process id, a file whose process is gone is abandoned.  Another host's files
+    in a shared cache folder are left to that host."""
+    for path in cache_dir.glob(f"normalizing-{socket.gethostname()}-*-*.arrow"):
+        pid = path.name[len(f"normalizing-{socket.gethostname()}-"):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) -> PreparedPairs:
     """Loads, validates, tokenizes and truncates ``cfg.dataset``, or the in-memory ``rows`` labelled so.
 
@@ -450,7 +461,9 @@ def prepare_pairs(cfg: DataConfig, tokenizer, rows: list[dict] | None = None) ->
               flush=True)
     label = cfg.dataset
     source = rows_in_memory(rows, label) if rows is not None else open_rows(cfg.dataset, cfg.split)
-    handle, normalized_file = tempfile.mkstemp(prefix="normalizing-", suffix=".arrow", dir=cache_dir)
+    remove_abandoned_normalizing(cache_dir)
+    handle, normalized_file = tempfile.mkstemp(prefix=f"normalizing-{socket.gethostname()}-{os.getpid()}-",
+                                               suffix=".arrow", dir=cache_dir)
     os.close(handle)
     out = NormalizedPairs(Path(normalized_file), cfg.max_pairs)
     try:
