@@ -135,23 +135,13 @@ def step_logps(model, tmp_path: Path, step: int, tokenizer) -> tuple[float, floa
 SCHEDULE = ("--lr-scheduler", "cosine", "--warmup-steps", "2", "--min-lr-ratio", "0.1", "--weight-decay", "0.1")
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory) -> Path:
-    """The uninterrupted 2-rank run of 6 steps on a cosine schedule, checkpoints at 3 and 6, --export-on-end in
-    shards of at most 300 KB (the tiny model is 1 MB in fp32): one launch that several tests read."""
-    tmp = tmp_path_factory.mktemp("two_ranks")
-    run(ranks_module(2, "ds_packdpo.train", *flags(tmp, "straight", *SCHEDULE, "--save-steps", "3",
-                                                       "--export-on-end", "--max-shard-size", "300KB")))
-    return tmp / "straight"
-
-
 @pytest.mark.multirank
 def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys, two_rank_run):
     """A rank killed as step 5 begins (checkpoint at 3), the job resumed: steps 4-6 equal the uninterrupted run's,
     their LR included (the logged LRs follow the schedule's closed form); then the export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # 1. the uninterrupted run, with a checkpoint at 3 and 6 and the export at the end
+    # 1. the uninterrupted run (conftest.py), with a checkpoint after every step and the export at the end
     straight = two_rank_run
     reference = read_metrics(straight / "metrics.jsonl")
     assert [r["learning_rate"] for r in reference] == pytest.approx(
