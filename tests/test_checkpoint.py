@@ -352,7 +352,7 @@ SP2 = ["--sequence-parallel-size", "2", "--max-tokens-per-row", "100"]  # most p
 
 
 @pytest.mark.multirank
-def test_resume_under_sequence_parallelism_continues_exactly(tmp_path, capsys):
+def test_resume_under_sequence_parallelism_continues_exactly(tmp_path, capsys, monkeypatch):
     """Both ranks share every row (1 data-parallel x 2 sequence-parallel): a rank killed after the step-2
     checkpoint, the job resumed at the same layout, continues the uninterrupted run exactly; another layout is
     refused before any process group, naming both."""
@@ -374,11 +374,15 @@ def test_resume_under_sequence_parallelism_continues_exactly(tmp_path, capsys):
     largest = assert_same_steps(resumed, reference, range(1, 5))
     with capsys.disabled():
         print(f"2 ranks at S=2, resumed vs uninterrupted, largest metric difference: {largest}")
-    # the same world with one rank per row is another layout: refused in phase one (no launch needed)
-    proc = run(rank_module("ds_packdpo.train", *flags(tmp_path, "killed", "--max-steps", "4", "--resume", "auto")),
-               check=False, env=cpu_env(WORLD_SIZE="2", RANK="0"))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    # the same world with one rank per row is another layout: refused in phase one (no launch needed: rank 0 of 2
+    # in this process)
+    from ds_packdpo.train import main as train_main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    capsys.readouterr()
+    assert train_main(flags(tmp_path, "killed", "--max-steps", "4", "--resume", "auto")) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == (f"error: --resume {killed / 'checkpoints' / 'global_step4'}: written by 2 ranks (1 data-parallel x "
                     "2 sequence-parallel), this run is 2 ranks (2 data-parallel x 1 sequence-parallel); DeepSpeed ZeRO "
                     "shards load only into the same layout (pass --allow-new-layout to load it at this one through "
