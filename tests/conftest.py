@@ -87,3 +87,17 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(cli, "_launch", launch_tripwire)
     for key in cli.LAUNCHED_ENV:
         monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run of 6 steps (test_checkpoint.py's flags) on a cosine schedule, a checkpoint after
+    every step, --export-on-end in shards of at most 300 KB (the tiny model is 1 MB in fp32): one launch that the
+    resumes of test_checkpoint.py, test_chaos.py and test_stop.py compare against (test_trdpo.py reads a checkpoint)."""
+    from launching import ranks_module, run
+    from test_checkpoint import SCHEDULE, flags
+
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    run(ranks_module(2, "ds_packdpo.train", *flags(tmp, "straight", *SCHEDULE, "--save-steps", "1",
+                                                   "--export-on-end", "--max-shard-size", "300KB")))
+    return tmp / "straight"

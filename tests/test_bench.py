@@ -4,6 +4,7 @@ the merge of two bench folders, the plots, and the FLOP formula."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 from pathlib import Path
@@ -371,8 +372,9 @@ def test_bench_report_is_consistent(bench_folder):
         for step in steps:  # the real tokens of each rank's pairs, which rank_load.png draws
             assert sum(step["rank_real_tokens"]) == step["real_tokens"] and len(step["rank_real_tokens"]) == 2
     assert report["rounds"] == 1 and report["order"] == [[1, name] for name in report["runs"]]
-    environment = report["environment"]  # the ranks ran in this process's environment, so with its threads
-    assert environment["torch_threads_per_rank"] == [torch.get_num_threads()] * 2 and environment["local_ranks"] == 2
+    environment = report["environment"]  # the ranks' threads: the rank launcher's, cores / ranks unless OMP_NUM_THREADS
+    threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // 2)
+    assert environment["torch_threads_per_rank"] == [threads] * 2 and environment["local_ranks"] == 2
     assert report["failed"] == {} and report["unmeasured"] == []
     # every comparison whose two configurations ran, each the ratio of their figures beside its token ideal
     figures = {entry["name"]: entry for entry in report["comparisons"]}
@@ -405,8 +407,11 @@ def test_bench_report_is_consistent(bench_folder):
     assert "- **packing (packed / padded tokens/s): " in markdown and "- **LoRA (packed-lora / packed pairs/s): " in markdown
     assert "| packed | sdpa_varlen |" in markdown and "| padded | sdpa_varlen |" in markdown
     assert "| lock-step | prompt copies |" in markdown
-    oversubscribed = 2 * torch.get_num_threads() > environment["cpu_cores"]
+    oversubscribed = 2 * threads > environment["cpu_cores"]
     assert ("**Oversubscribed: 2 ranks x" in markdown) == oversubscribed
+    cores = environment["cpu_cores"]  # ranks of torch's default threads, every core each: said in bold
+    crowded = {**report, "environment": {**environment, "torch_threads_per_rank": [cores, cores]}}
+    assert f"**Oversubscribed: 2 ranks x {cores} torch threads on {cores} cores" in render_markdown(crowded)
     assert f"{report['speedup']:.3g}" in markdown and "ds_packdpo.bench" in markdown
     assert "2 ranks (2 data-parallel x 1 sequence-parallel)" in markdown
     assert "the same trajectory up to rounding" in markdown

@@ -48,7 +48,7 @@ def without(record: dict, keys: tuple[str, ...]) -> dict:
 
 
 @pytest.mark.multirank
-def test_chaos_kills_and_resumes_end_where_the_uninterrupted_run_ends(tmp_path, capsys):
+def test_chaos_kills_and_resumes_end_where_the_uninterrupted_run_ends(tmp_path, capsys, two_rank_run):
     started = time.monotonic()
     schedule = kill_schedule(SEED)
     with capsys.disabled():
@@ -56,9 +56,10 @@ def test_chaos_kills_and_resumes_end_where_the_uninterrupted_run_ends(tmp_path, 
                                                   if point != "universal" else
                                                   f"kill rank 0 converting global_step{step} for 1 rank"
                                                   for point, rank, step in schedule))
+    # the uninterrupted run (conftest.py): these flags, a checkpoint after every step (and an export at the end)
     argv = [*SCHEDULE, "--save-steps", "1", "--max-steps", str(STEPS)]
-    run(ranks_module(2, "ds_packdpo.train", *flags(tmp_path, "straight", *argv)))
-    reference = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    reference = read_metrics(two_rank_run / "metrics.jsonl")
+    assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
     chaos = flags(tmp_path, "chaos", *argv, "--save-total-limit", "2")
     save_dir = tmp_path / "chaos" / "checkpoints"
 
@@ -83,7 +84,7 @@ def test_chaos_kills_and_resumes_end_where_the_uninterrupted_run_ends(tmp_path, 
     measured = (*TIMING, *RUN_SETTINGS)  # a resumed run's first record also reports the engine's settings
     assert [without(r, measured) for r in logged[:two_ranks]] == [without(r, measured) for r in reference[:two_ranks]]
     mine, theirs = (fp32_weights(root / "checkpoints" / f"global_step{two_ranks}") for root in
-                    (tmp_path / "chaos", tmp_path / "straight"))
+                    (tmp_path / "chaos", two_rank_run))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
     # 1 rank from the 2-rank checkpoint: killed while converting it, then resumed (the conversion redone)
@@ -109,7 +110,7 @@ def test_chaos_kills_and_resumes_end_where_the_uninterrupted_run_ends(tmp_path, 
             else:
                 assert got[key] == value, (got["step"], key)
     mine, theirs = (fp32_weights(root / "checkpoints" / f"global_step{STEPS}") for root in
-                    (tmp_path / "chaos", tmp_path / "straight"))
+                    (tmp_path / "chaos", two_rank_run))
     weight_diff = max(float((mine[k] - theirs[k]).detach().abs().max()) for k in theirs)
     assert weight_diff <= 1e-6
     # --save-total-limit 2 kept the two newest whole checkpoints; the partial save and the converted one (its

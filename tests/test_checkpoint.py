@@ -56,11 +56,14 @@ def assert_same_steps(got: list[dict], want: list[dict], steps: range) -> float:
 
 
 @pytest.mark.multirank
-def test_resume_continues_exactly_one_rank(tmp_path):
+def test_zero2_resume_continues_exactly_one_rank(tmp_path):
     """A run of 3 steps resumed with --max-steps 6 equals a run of 6 steps: exact with a constant LR (a decaying
     schedule spans the run's own total steps, which --max-steps changes; its resume: the two-rank test below).  The
-    run prints its plan summary before anything else on stdout."""
-    constant = ("--lr-scheduler", "constant")
+    run prints its plan summary before anything else on stdout.  Under ZeRO-2 (ZeRO-3's resumes: the 2-rank tests
+    below): its optimizer files pickle parameter slice addresses (``fragment_address``), which the weights-only scan
+    and load take, so a ZeRO-2 run resumes (it used to find "no intact checkpoint") and continues the uninterrupted
+    one."""
+    constant = ("--ds-config", "zero2", "--lr-scheduler", "constant")
     straight = tmp_path / "straight"
     proc = run(rank_module("ds_packdpo.train", *flags(tmp_path, "straight", *constant)))
     first = proc.stdout.splitlines()[0]
@@ -77,24 +80,10 @@ def test_resume_continues_exactly_one_rank(tmp_path):
                                                "--save-total-limit", "1")))
     resumed = read_metrics(split / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    print("1 rank, resumed vs uninterrupted, largest metric difference:",
+    print("1 rank ZeRO-2, resumed vs uninterrupted, largest metric difference:",
           assert_same_steps(resumed, read_metrics(straight / "metrics.jsonl"), range(1, 7)))
     assert (split / "checkpoints" / LATEST).read_text() == "global_step6"
     assert not (split / "checkpoints" / "global_step3").exists()  # --save-total-limit 1
-
-
-@pytest.mark.multirank
-def test_zero2_resume_continues_exactly(tmp_path):
-    """ZeRO-2's optimizer files pickle parameter slice addresses (``fragment_address``): the weights-only scan and load
-    take them, so a ZeRO-2 run resumes (it used to find "no intact checkpoint") and continues the uninterrupted one."""
-    zero2 = ("--ds-config", "zero2", "--lr-scheduler", "constant", "--max-steps", "4")
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "straight", *zero2)))
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", *zero2, "--save-steps", "2", "--max-steps", "2")))
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "split", *zero2, "--save-steps", "2", "--resume", "auto")))
-    resumed = read_metrics(tmp_path / "split" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    print("ZeRO-2, resumed vs uninterrupted, largest metric difference:",
-          assert_same_steps(resumed, read_metrics(tmp_path / "straight" / "metrics.jsonl"), range(1, 5)))
 
 
 @pytest.mark.multirank
@@ -135,23 +124,13 @@ def step_logps(model, tmp_path: Path, step: int, tokenizer) -> tuple[float, floa
 SCHEDULE = ("--lr-scheduler", "cosine", "--warmup-steps", "2", "--min-lr-ratio", "0.1", "--weight-decay", "0.1")
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory) -> Path:
-    """The uninterrupted 2-rank run of 6 steps on a cosine schedule, checkpoints at 3 and 6, --export-on-end in
-    shards of at most 300 KB (the tiny model is 1 MB in fp32): one launch that several tests read."""
-    tmp = tmp_path_factory.mktemp("two_ranks")
-    run(ranks_module(2, "ds_packdpo.train", *flags(tmp, "straight", *SCHEDULE, "--save-steps", "3",
-                                                       "--export-on-end", "--max-shard-size", "300KB")))
-    return tmp / "straight"
-
-
 @pytest.mark.multirank
 def test_killed_rank_resume_and_export_two_ranks(tmp_path, capsys, two_rank_run):
     """A rank killed as step 5 begins (checkpoint at 3), the job resumed: steps 4-6 equal the uninterrupted run's,
     their LR included (the logged LRs follow the schedule's closed form); then the export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # 1. the uninterrupted run, with a checkpoint at 3 and 6 and the export at the end
+    # 1. the uninterrupted run (conftest.py), with a checkpoint after every step and the export at the end
     straight = two_rank_run
     reference = read_metrics(straight / "metrics.jsonl")
     assert [r["learning_rate"] for r in reference] == pytest.approx(
@@ -373,7 +352,7 @@ SP2 = ["--sequence-parallel-size", "2", "--max-tokens-per-row", "100"]  # most p
 
 
 @pytest.mark.multirank
-def test_resume_under_sequence_parallelism_continues_exactly(tmp_path, capsys):
+def test_resume_under_sequence_parallelism_continues_exactly(tmp_path, capsys, monkeypatch):
     """Both ranks share every row (1 data-parallel x 2 sequence-parallel): a rank killed after the step-2
     checkpoint, the job resumed at the same layout, continues the uninterrupted run exactly; another layout is
     refused before any process group, naming both."""
@@ -395,11 +374,15 @@ def test_resume_under_sequence_parallelism_continues_exactly(tmp_path, capsys):
     largest = assert_same_steps(resumed, reference, range(1, 5))
     with capsys.disabled():
         print(f"2 ranks at S=2, resumed vs uninterrupted, largest metric difference: {largest}")
-    # the same world with one rank per row is another layout: refused in phase one (no launch needed)
-    proc = run(rank_module("ds_packdpo.train", *flags(tmp_path, "killed", "--max-steps", "4", "--resume", "auto")),
-               check=False, env=cpu_env(WORLD_SIZE="2", RANK="0"))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    # the same world with one rank per row is another layout: refused in phase one (no launch needed: rank 0 of 2
+    # in this process)
+    from ds_packdpo.train import main as train_main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    capsys.readouterr()
+    assert train_main(flags(tmp_path, "killed", "--max-steps", "4", "--resume", "auto")) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == (f"error: --resume {killed / 'checkpoints' / 'global_step4'}: written by 2 ranks (1 data-parallel x "
                     "2 sequence-parallel), this run is 2 ranks (2 data-parallel x 1 sequence-parallel); DeepSpeed ZeRO "
                     "shards load only into the same layout (pass --allow-new-layout to load it at this one through "

@@ -1,9 +1,11 @@
 """Precomputed reference log-probs: one 2-rank precompute, checked against an independent padded forward, then
-training with the file against training with the live reference engine (same flags as the layout test)."""
+training with the file against training with the live reference engine (the layout test's small run, its loss sigmoid
+and the batch-coupled aot_unpaired and sft)."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -112,25 +114,25 @@ def test_precomputed_reference_matches_padded_forward_and_live_training(tmp_path
                              *flags))
         return read_metrics(tmp_path / name / "metrics.jsonl")
 
-    # both evaluate a held-out quarter after steps 2 and 3: the file (of all 48 pairs) serves the held-out ones too
+    # Both evaluate a held-out quarter after steps 2 and 3: the file (of all 48 pairs) serves the held-out ones too.
+    # One pair of runs for the plain and the batch-coupled paths: sigmoid's per-row loss and the rewards read the
+    # reference's sums as a sigmoid-only run does (Run.reference_logps, called at the row's backward there, in the
+    # pre-pass here), and the whole-step pre-pass of aot/aot_unpaired (run/step_statistics.py) reads the file instead
+    # of running the reference, in training and on the held-out set.
     held_out = ("--eval-fraction", "0.25", "--eval-steps", "2")
-    live = launch("live", *held_out)
-    precomputed = launch("precomputed", "--ref-logps", str(out), *held_out)
-    assert live[0]["loss"] == pytest.approx(0.693147, abs=1e-5) and live[-1]["loss"] < live[0]["loss"]
+    coupled = ("--loss", "sigmoid,aot_unpaired,sft", "--loss-weights", "1,0.5,0.3", *held_out)
+    live = launch("live", *coupled)
+    precomputed = launch("precomputed", "--ref-logps", str(out), *coupled)
+    # policy == reference at step 1 (a sigmoid-only run's loss is log 2 there): the rewards are 0; --loss reached the
+    # loss, which falls
+    assert live[0]["rewards/margins"] == pytest.approx(0.0, abs=2e-5)
+    assert live[0]["rewards/chosen"] == pytest.approx(0.0, abs=2e-5)
+    assert live[0]["loss"] != pytest.approx(math.log(2), rel=1e-3) and live[-1]["loss"] < live[0]["loss"]
     assert ["eval_loss" in r for r in precomputed] == [False, True, True]
     for want, got in zip(live, precomputed, strict=True):
         for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/chosen", "logits/chosen",
                     *(("eval_loss", "eval_rewards/margins", "eval_rewards/chosen", "eval_logps/rejected")
                       if "eval_loss" in want else ())):
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
-    # the whole-step pre-pass of aot/aot_unpaired (run/step_statistics.py) reads the file instead of running the
-    # reference, in training and on the held-out set
-    coupled = ("--loss", "sigmoid,aot_unpaired,sft", "--loss-weights", "1,0.5,0.3", *held_out)
-    live_coupled, precomputed_coupled = launch("live_coupled", *coupled), launch("pre_coupled", "--ref-logps", str(out),
-                                                                                 *coupled)
-    assert live_coupled[0]["loss"] != pytest.approx(live[0]["loss"], rel=1e-3)
-    for want, got in zip(live_coupled, precomputed_coupled, strict=True):
-        for key in ("loss", "grad_norm", "rewards/margins", *(("eval_loss",) if "eval_loss" in want else ())):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
 
     # 3. a file that does not fit the run is refused before any process group, in one line

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from launching import REPO, cpu_env, ranks_module, read_metrics, run
-from test_checkpoint import RUN_SETTINGS, TIMING, flags
+from test_checkpoint import RUN_SETTINGS, SCHEDULE, TIMING, flags
 
 from ds_packdpo import cli
 from ds_packdpo.errors import StoppedError
@@ -43,11 +43,13 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 @pytest.mark.multirank
-def test_sigint_to_train_stops_every_rank_saved_and_resume_continues(tmp_path, capsys):
+def test_sigint_to_train_stops_every_rank_saved_and_resume_continues(tmp_path, capsys, two_rank_run):
     """Ctrl-C's SIGINT (SIGTERM, a scheduler's, takes the same path; a rank's own SIGTERM: the next test): the ranks
     get the signal the front process received, so the stopped: line names it, and the launcher's error line of a
-    rank's exit 7 (a clean stop) is not passed on."""
-    argv = flags(tmp_path, "run", "--save-dir", str(tmp_path / "ckpt"))  # no --save-steps: the stop alone saves
+    rank's exit 7 (a clean stop) is not passed on.  Resumed, the job continues the uninterrupted run (conftest.py's,
+    of the same flags and schedule) bitwise."""
+    # no --save-steps: the stop alone saves
+    argv = flags(tmp_path, "run", *SCHEDULE, "--save-dir", str(tmp_path / "ckpt"))
     with subprocess.Popen(front(*argv), cwd=REPO, env=cpu_env(**{WAIT_FOR_STOP_ENV: str(STOP_AT)}), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True) as proc:
         try:
@@ -73,13 +75,14 @@ def test_sigint_to_train_stops_every_rank_saved_and_resume_continues(tmp_path, c
     assert (tmp_path / "ckpt" / f"global_step{STOP_AT}" / MANIFEST_FILE).is_file()
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, STOP_AT + 1))
 
-    resumed = run(front(*argv, "--resume", "auto"))
+    # the rank launcher's ranks (no deepspeed launcher: the signal path ends above; the front command's own resume
+    # of a checkpoint is test_checkpoint.py's killed-rank test)
+    resumed = run(ranks_module(2, "ds_packdpo.train", *argv, "--resume", "auto"))
     assert f"resuming from {tmp_path / 'ckpt' / f'global_step{STOP_AT}'} at step {STOP_AT}\n" in resumed.stderr
     stopped_and_resumed = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in stopped_and_resumed] == list(range(1, 7))
 
-    run(front(*flags(tmp_path, "straight")))  # the uninterrupted run: the same records, bitwise
-    for got, want in zip(stopped_and_resumed, read_metrics(tmp_path / "straight" / "metrics.jsonl"), strict=True):
+    for got, want in zip(stopped_and_resumed, read_metrics(two_rank_run / "metrics.jsonl"), strict=True):
         keep = set(want) - set(TIMING) - RUN_SETTINGS
         assert {k: got[k] for k in keep} == {k: want[k] for k in keep}, got["step"]
 

@@ -33,17 +33,25 @@ def flags(tmp_path: Path, out: str, *extra: str) -> list[str]:
     return ["--output-dir", str(tmp_path / out), "--cache-dir", str(tmp_path / "cache"), *SMALL_RUN, *extra]
 
 
+@pytest.fixture(scope="module")
+def sync_every_two_steps(tmp_path_factory) -> dict:
+    """tests/trdpo_check.py's report: 3 steps on 2 ranks syncing with alpha 1 every 2 steps (steps 1 and 2 against
+    the initial reference, as a run without TR-DPO), then its mixes of the trained engines."""
+    tmp = tmp_path_factory.mktemp("trdpo_check")
+    out = tmp / "check.json"
+    run(ranks_script(2, "tests/trdpo_check.py", str(out), *flags(tmp, "run", "--sync-ref-model",
+                                                                 "--ref-model-sync-steps", "2",
+                                                                 "--ref-model-mixup-alpha", "1")))
+    return json.loads(out.read_text())
+
+
 @pytest.mark.multirank
-def test_mix_of_partitions_equals_the_whole_tensor_mix(tmp_path, capsys):
+def test_mix_of_partitions_equals_the_whole_tensor_mix(sync_every_two_steps, capsys):
     """2 ranks, ZeRO-3: after 3 trained steps with alpha 1 every 2 steps, each rank's partitions mixed with alpha
     0.3 equal the mix of the gathered whole tensors (exact in fp32; TRL's own arithmetic within an ulp), the policy
     untouched; a mix with alpha 1 makes the reference's log-probs the policy's, exactly.  The trained steps show
     both flags: the reference equals the policy after step 2 (rewards of step 3 exactly 0), not after step 1."""
-    out = tmp_path / "check.json"
-    run(ranks_script(2, "tests/trdpo_check.py", str(out), *flags(tmp_path, "run", "--sync-ref-model",
-                                                                 "--ref-model-sync-steps", "2",
-                                                                 "--ref-model-mixup-alpha", "1")))
-    report = json.loads(out.read_text())
+    report = sync_every_two_steps
     history = report["history"]
     assert [r["step"] for r in history] == [1, 2, 3]
     for step, record in enumerate(history, start=1):
@@ -63,15 +71,16 @@ def test_mix_of_partitions_equals_the_whole_tensor_mix(tmp_path, capsys):
 
 
 @pytest.mark.multirank
-def test_trajectory_over_layouts_and_exact_kill_resume(tmp_path, capsys):
+def test_trajectory_over_layouts_and_exact_kill_resume(tmp_path, capsys, sync_every_two_steps, two_rank_run):
     """Syncing every step with alpha 0.5: 1 rank and 2 ranks (ZeRO-3) give one trajectory, which leaves the fixed
     reference's at step 2; a 2-rank run killed as step 3 begins (checkpoint at step 2, holding each rank's reference
-    partitions) and resumed equals the uninterrupted run exactly.  A run without TR-DPO saves no reference."""
-    run(rank_module("ds_packdpo.train", *flags(tmp_path, "fixed", "--save-steps", "3")))
-    fixed = read_metrics(tmp_path / "fixed" / "metrics.jsonl")
-    fixed_tag = tmp_path / "fixed" / "checkpoints" / "global_step3"
+    partitions) and resumed equals the uninterrupted run exactly.  A run without TR-DPO saves no reference (the
+    2-rank run of conftest.py)."""
+    fixed_tag = two_rank_run / "checkpoints" / "global_step3"
     assert "ref_sync" not in json.loads((fixed_tag / STATE_FILE).read_text())
     assert not list(fixed_tag.glob("reference_rank*"))
+    # the fixed reference's steps 1 and 2 at 2 ranks: those of the run syncing after step 2 (its flags otherwise these)
+    fixed = sync_every_two_steps["history"]
     run(rank_module("ds_packdpo.train", *flags(tmp_path, "w1", *SYNC_EVERY_STEP)))
     one_rank = read_metrics(tmp_path / "w1" / "metrics.jsonl")
     run(ranks_module(2, "ds_packdpo.train", *flags(tmp_path, "straight", *SYNC_EVERY_STEP, "--save-steps", "2")))
@@ -79,8 +88,8 @@ def test_trajectory_over_layouts_and_exact_kill_resume(tmp_path, capsys):
     for ref, got in zip(one_rank, straight, strict=True):
         for key in COMPARED:
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (got["step"], key, got[key], ref[key])
-    assert one_rank[0]["loss"] == pytest.approx(fixed[0]["loss"], rel=1e-12)  # nothing synced before step 1
-    assert one_rank[1]["rewards/chosen"] != pytest.approx(fixed[1]["rewards/chosen"], rel=1e-2)
+    assert straight[0]["loss"] == pytest.approx(fixed[0]["loss"], rel=1e-12)  # nothing synced before step 1
+    assert straight[1]["rewards/chosen"] != pytest.approx(fixed[1]["rewards/chosen"], rel=1e-2)
 
     killed = tmp_path / "killed"
     proc = run(ranks_module(2, "ds_packdpo.train", *flags(tmp_path, "killed", *SYNC_EVERY_STEP, "--save-steps", "2")),
