@@ -548,10 +548,10 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     if bad:  # --on-bad-row skip: said, not only counted in the summary
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(bad.items()))
         say_warning(f"{label}: skipped {sum(bad.values())} of {rows} rows (--on-bad-row skip): {reasons}")
-    drop_reason = numbers["drop_names"][numbers["drop_code"]]
-    kept = np.flatnonzero(drop_reason == "")
-    reasons, counts = np.unique(drop_reason[drop_reason != ""], return_counts=True)
-    dropped = bad + Counter({str(reason): int(count) for reason, count in zip(reasons, counts)})
+    names, codes = numbers["drop_names"].tolist(), numbers["drop_code"]  # codes, not a fixed-width string a pair
+    kept = np.flatnonzero(codes == names.index("")) if "" in names else np.zeros(0, dtype=np.int64)
+    counts = np.bincount(codes, minlength=len(names))
+    dropped = bad + Counter({name: int(count) for name, count in zip(names, counts) if name and count})
     if kept.size == 0:
         raise InputError(f"{label}: no pair left after truncation to max_length={cfg.max_length} ({dict(dropped)})")
     pairs = encoded.remove_columns(list(STAT_COLUMNS))
