@@ -650,6 +650,21 @@ def test_parallel_tokenization_matches_serial(demo_tokenizer, tmp_path):
     assert len(list((tmp_path / "b").glob("pairs-*_of_00002.arrow"))) == 2
 
 
+def test_tokenize_procs_zero_picks_one_process_per_block_of_pairs_up_to_the_cores(monkeypatch):
+    """--tokenize-procs 0 (the default): one process per PAIRS_PER_TOKENIZE_PROC pairs, at most the usable cores and
+    MOST_TOKENIZE_PROCS, one inside a rank; a number asked is kept; one process is None (no worker spawned)."""
+    per, most = data.PAIRS_PER_TOKENIZE_PROC, data.MOST_TOKENIZE_PROCS
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert [data.tokenize_processes(0, n) for n in (1, per, per + 1, 3 * per)] == [None, None, 2, 3]
+    assert data.tokenize_processes(0, 1000 * per) == most
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert data.tokenize_processes(0, 1000 * per) == 2
+    assert data.tokenize_processes(5, 1) == 5 and data.tokenize_processes(1, 1000 * per) is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert data.tokenize_processes(0, 1000 * per) is None and data.tokenize_processes(3, 1) == 3
+
+
 def test_tokenizer_fingerprint_tracks_what_changes_ids(demo_tokenizer):
     same = copy.deepcopy(demo_tokenizer)
     assert tokenizer_fingerprint(same) == tokenizer_fingerprint(demo_tokenizer)

@@ -66,14 +66,11 @@ class NormalizedPairs:
             "prompt_ends_with_assistant": self._ends_with_assistant,
         }
 
-    def close(self) -> datasets.Dataset | None:
-        """Finishes the file; the kept pairs memory-mapped (None when none was kept: the caller refuses that)."""
-        if not self.kept:
-            self.discard()
-            return None
+    def close(self) -> datasets.Dataset:
+        """Finishes the file; the kept pairs memory-mapped (validation refuses a dataset without one before this)."""
         self._writer.finalize()
         self._writer.close()
-        return datasets.Dataset.from_file(str(self.path)) if self.kept else None
+        return datasets.Dataset.from_file(str(self.path))
 
     def discard(self) -> None:
         """Closes and removes the file (bad input found: nothing is left half written)."""

@@ -98,21 +98,27 @@ def _holds_nul(path: Path) -> bool:
         return any(b"\x00" in block for block in iter(lambda: handle.read(1 << 24), b""))
 
 
+def _as_text(raw: bytes, label: str, encoding: str, offset: int = 0, whole_file: Path | None = None) -> str:
+    """``raw`` (the file, or one line of ``whole_file`` at byte ``offset``) decoded: a NUL byte names the file binary
+    (wherever in the whole file its first one lies), another byte that is not UTF-8 is named with its offset."""
+    if b"\x00" in raw:
+        raise InputError(f"{label}: {_BINARY}")
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        if whole_file is not None and _holds_nul(whole_file):
+            raise InputError(f"{label}: {_BINARY}") from None
+        raise InputError(f"{label}: not UTF-8 text (binary content?), bad byte at offset "
+                         f"{offset + exc.start}") from None
+
+
 def _json_lines(path: Path, label: str) -> Iterator[tuple[str, object]]:
     """One (location, value) per non-blank line, read a line at a time; NUL bytes or bytes that are not UTF-8 stop
     the read with the file's byte offset, a line that does not parse is that row's BadRow."""
     index, offset = 0, 0
     with open(path, "rb") as handle:
         for line_no, raw in enumerate(handle, start=1):
-            if b"\x00" in raw:
-                raise InputError(f"{label}: {_BINARY}")
-            try:
-                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                if _holds_nul(path):  # a binary file is named so, wherever its first NUL byte lies
-                    raise InputError(f"{label}: {_BINARY}") from None
-                raise InputError(f"{label}: not UTF-8 text (binary content?), bad byte at offset "
-                                 f"{offset + exc.start}") from None
+            line = _as_text(raw, label, "utf-8-sig" if line_no == 1 else "utf-8", offset, path)
             offset += len(raw)
             if not line.strip():
                 continue
@@ -134,13 +140,7 @@ def _position(text: str, pos: int) -> str:
 
 
 def _read_text(path: Path, label: str) -> str:
-    data = path.read_bytes()
-    if b"\x00" in data:
-        raise InputError(f"{label}: {_BINARY}")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{label}: not UTF-8 text (binary content?), bad byte at offset {exc.start}") from None
+    text = _as_text(path.read_bytes(), label, "utf-8-sig")
     if not text.strip():
         raise InputError(f"{label}: the file is empty")
     return text
