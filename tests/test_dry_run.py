@@ -13,6 +13,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
+from ds_packdpo.data import run_plan
 from ds_packdpo.model.build import build_model
 from ds_packdpo.model.logps import auto_chunk_tokens
 from ds_packdpo.model.lora import add_adapters
@@ -112,9 +113,11 @@ def test_a_lora_estimate_counts_optimizer_states_of_the_adapters_alone(tmp_path,
     assert f"{trainable:,} trainable of {total:,} parameters over 2 ranks, their optimizer states " in line
 
 
-def test_max_steps_extends_the_default_epochs_and_given_epochs_cap_it_said(tmp_path, no_launch, capsys):
+def test_max_steps_extends_the_default_epochs_and_given_epochs_cap_it_said(tmp_path, no_launch, capsys,
+                                                                          monkeypatch):
     """48 pairs of 12 per step: 4 steps an epoch.  --max-steps 6 alone runs 6 (a second pass over the data planned);
-    with --epochs 1 the epoch caps it at 4, and the plan line says so (it ran 4 of 6 without a word)."""
+    with --epochs 1 the epoch caps it at 4, and the plan line says so (it ran 4 of 6 without a word); with many
+    epochs given only those the 6 steps reach are planned."""
     flags = ["train", "--output-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"),
              "--synthetic-pairs", "48", "--global-batch-pairs", "12", "--max-length", "96", "--num-procs", "2",
              "--dry-run", "--max-steps", "6"]
@@ -126,6 +129,12 @@ def test_max_steps_extends_the_default_epochs_and_given_epochs_cap_it_said(tmp_p
         "(48 training pairs), ")
     assert cli.main([*flags, "--epochs", "2"]) == 0  # the epochs hold more: --max-steps cuts, nothing to say
     assert capsys.readouterr().out.startswith("plan: 72 pairs in 6 steps (48 training pairs), ")
+    counted = []  # the epochs whose steps phase one counts: two, not the 100,000 given
+    with monkeypatch.context() as patched:
+        patched.setattr(run_plan, "steps_per_epoch", lambda *a, **k: counted.append(k["epoch"]) or 4)
+        assert cli.main([*flags, "--epochs", "100000"]) == 0
+    assert capsys.readouterr().out.startswith("plan: 72 pairs in 6 steps (48 training pairs), ")
+    assert counted and set(counted) == {0, 1}
     # --max-steps far beyond the data: one line at once, not hours of planning epoch after epoch in phase one
     assert cli.main([*flags[:-1], str(2**31 - 1)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (

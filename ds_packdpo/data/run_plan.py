@@ -115,7 +115,9 @@ def run_length(plan: PlanSpec, prepared: PreparedPairs, steps_wanted: int | None
     wanted = plan.max_steps if steps_wanted is None else steps_wanted
     lengths = (prepared.chosen_lengths, prepared.rejected_lengths)
     epochs = steps = 0
-    while epochs < plan.epochs or (wanted and not plan.epochs_given and steps < wanted):
+    # epochs are counted (each one planned) only until they hold the steps wanted: --epochs 1000 --max-steps 10 plans
+    # the epochs of 10 steps, not a thousand
+    while (epochs < plan.epochs or (wanted and not plan.epochs_given)) and not (wanted and steps >= wanted):
         per_epoch = steps_per_epoch(*lengths, plan.config, epoch=epochs, groups=prompt_groups_of(prepared))
         if per_epoch == 0:  # --drop-last on fewer pairs than a step: no epoch ever holds a step
             break
