@@ -20,7 +20,7 @@ from typing import Callable
 
 from .config import FlagParser, TrainConfig, add_arguments, config_from_args, parse_train_args
 from .console import launcher_options, quiet_libraries, rank_environment
-from .data.plan import pack_stats, write_plan_jsonl
+from .data.plan_report import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
 from .data.run_plan import checked_plan_config, prompt_groups_of, run_length, run_plan
 from .data.source import prepare_run_data, split_held_out, tokenizer_and_rows

@@ -21,13 +21,13 @@ from transformers import AutoModelForCausalLM
 from ds_packdpo import cli
 from ds_packdpo.config import parse_train_args
 from ds_packdpo.data import pair_keys
-from ds_packdpo.data.plan import (PlanConfig, RowLayout, iter_plan, pack_stats, step_compositions, steps_per_epoch,
-                                  write_plan_jsonl)
+from ds_packdpo.data.plan import PlanConfig, RowLayout, iter_plan, step_compositions, steps_per_epoch
+from ds_packdpo.data.plan_report import pack_stats, write_plan_jsonl
 from ds_packdpo.data.prompt_groups import PairGroups
 from ds_packdpo.data.run_plan import run_plan
 from ds_packdpo.model import prefix_attention, torch_varlen
 from ds_packdpo.model.build import ARCHITECTURES, build_model
-from ds_packdpo.model.collate import (PrefixLayout, PromptGroup, collate_groups, collate_grouped, collate_shared,
+from ds_packdpo.model.collate import (PrefixLayout, PromptGroup, collate_grouped, collate_shared,
                                       collate_row, group_pairs)
 from ds_packdpo.model.guard import synthetic_pairs
 from ds_packdpo.model.logps import forward_logps

@@ -15,16 +15,14 @@ from ds_packdpo.errors import InputError
 from ds_packdpo.data.plan import (
     PlanConfig,
     RowLayout,
-    _polish,
-    _round_karmarkar_karp,
     iter_plan,
-    pack_stats,
     plan_step,
     step_compositions,
     steps_per_epoch,
     validate_lengths,
-    write_plan_jsonl,
 )
+from ds_packdpo.data.plan_report import pack_stats, write_plan_jsonl
+from ds_packdpo.data.row_balance import polish, round_karmarkar_karp
 
 DEMO = Path(__file__).resolve().parents[2] / "shared/data/dpo_en_demo.json"
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -321,12 +319,12 @@ def test_round_karmarkar_karp_and_polish_partition_within_the_budget(tokens, k, 
     tokens = np.array(tokens, dtype=np.int64)
     cost = tokens.astype(np.float64)
     order = np.argsort(-cost, kind="stable")
-    members = _round_karmarkar_karp(order, cost, k)
+    members = round_karmarkar_karp(order, cost, k)
     assert members.shape[1] == k and sorted(members[members >= 0].tolist()) == list(range(tokens.size))
     assert (members >= 0).any(axis=0).sum() == min(k, tokens.size)  # no empty row while pairs are left
     sums = np.array([tokens[m[m >= 0]].sum() for m in members.T])
     budget = int(sums.max()) + slack
-    polished = _polish(members, cost, tokens, budget)
+    polished = polish(members, cost, tokens, budget)
     assert sorted(polished[polished >= 0].tolist()) == list(range(tokens.size))
     after = np.array([tokens[m[m >= 0]].sum() for m in polished.T])
     assert after.max() <= sums.max() and after.min() >= sums.min()  # exchanges only narrow the spread

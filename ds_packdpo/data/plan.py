@@ -16,7 +16,7 @@ trajectory never depends on how the work is laid out (DESIGN.md, invariants 2-4)
    plus an optional attention term), the budget a hard limit: while one pair is at least
    the mean row of what is left, a slot is built around the largest pairs and its rows are
    topped up to the largest; the rest is Karmarkar-Karp differencing over all remaining
-   rows, then pairwise exchanges.  Rows are sorted by cost, slot i is the i-th block of
+   rows, then pairwise exchanges (``data/row_balance.py``).  Rows are sorted by cost, slot i is the i-th block of
    ``world`` rows, and each slot's heaviest row goes to the rank with the least so far,
    so slot i holds near-equal rows on every rank and the ranks stay balanced.  On
    dpo_en_demo at world 8 this reaches 0.98 lock-step utilization (0.95 when ranks were
@@ -45,22 +45,18 @@ skipping.  numpy only: no torch, nothing distributed.
 from __future__ import annotations
 
 import enum
-import heapq
-import json
 import math
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
-from pathlib import Path
 
 import numpy as np
 
 from ..console import say_warning
 from ..errors import InputError
-from ..files import atomic_write
 from .prompt_groups import PairGroups, group_permutation
 from .response_spread import StepResponses, spread_step, step_responses
+from .row_balance import aligned_rows, deal_slots, slot_count_floor
 
 
 class RowLayout(enum.Enum):
@@ -378,157 +374,6 @@ def steps_per_epoch(chosen_lengths, rejected_lengths, cfg: PlanConfig, epoch: in
     return len(step_compositions(chosen_lengths, rejected_lengths, cfg, epoch))
 
 
-# ----------------------------------------------------------------------------- row-aligned packing
-
-_POLISH_PASSES = 4  # measured on dpo_en_demo (W=8): lockstep 0.975 -> 0.982 at 4 passes, no gain beyond
-
-
-def _slot_count_floor(tokens: np.ndarray, world: int, budget: int) -> int:
-    """No layout has fewer slots: the tokens must fit, and pairs over half the budget cannot share a row."""
-    return max(1, -(-int(tokens.sum()) // (world * budget)), -(-int(np.count_nonzero(2 * tokens > budget)) // world))
-
-
-def _fill_slot(order: np.ndarray, cost: np.ndarray, tokens: np.ndarray, world: int, budget: int,
-               limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """One slot around the largest pending pairs: the ``world`` largest seed a row each, then smaller pairs top
-    the rows up to the largest one's cost (each row, most room first, takes the largest pair that fits), at
-    most ``limit`` of them.
-
-    Used while a pair is at least the mean row of what is left: it sets this slot's time anyway, so the other
-    rows of the slot are filled to it for free.  Returns (row of each pair or -1, pairs left over, by cost
-    descending).  Every round matches all rows at once (a search in the pending costs); a pair wanted by two
-    rows goes to the one with more room, the other tries again next round.
-    """
-    seeds, pending = order[:world], order[world:]
-    level = cost[seeds[0]]
-    load = np.zeros(world)
-    room = np.full(world, budget, dtype=np.int64)
-    load[:seeds.size] = cost[seeds]
-    room[:seeds.size] -= tokens[seeds]
-    row = np.full(cost.size, -1, dtype=np.int64)
-    row[seeds] = np.arange(seeds.size)
-    while limit > 0 and pending.size:
-        rows = np.argsort(load, kind="stable")  # most room first
-        ascending = pending[::-1]
-        at = np.searchsorted(cost[ascending], level - load[rows], side="right") - 1
-        rows, picks = rows[at >= 0], ascending[at[at >= 0]]
-        fits = tokens[picks] <= room[rows]
-        rows, picks = rows[fits], picks[fits]
-        first = np.sort(np.unique(picks, return_index=True)[1])[:limit]
-        if not first.size:
-            break
-        rows, picks = rows[first], picks[first]
-        row[picks] = rows
-        load[rows] += cost[picks]
-        room[rows] -= tokens[picks]
-        limit -= picks.size
-        pending = pending[row[pending] < 0]
-    return row, pending
-
-
-def _round_karmarkar_karp(order: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
-    """Partition the pairs (``order``: by cost descending) into k rows of near-equal cost.
-
-    Returns the members as [places, k] (column j = row j, -1 = no pair).  Karmarkar-Karp's largest
-    differencing, started from *rounds* instead of single pairs: round j is the j-th block of k pairs by
-    size, already a sorted k-vector, so there are ~pairs/k partial partitions to merge instead of one per
-    pair, and every merge is one numpy sort.  Written by hand: no library offers k-way KK.  With at least k
-    pairs every row gets one from the first round, so no row is empty.
-    """
-    rounds = -(-order.size // k)
-    members = np.full(rounds * k, -1, dtype=np.int64)
-    members[:order.size] = order
-    members = members.reshape(rounds, k)
-    sums = np.where(members >= 0, cost[members], 0.0)
-    heap = [(sums[j, -1] - sums[j, 0], j, sums[j], members[j:j + 1]) for j in range(rounds)]
-    heapq.heapify(heap)
-    created = rounds
-    while len(heap) > 1:
-        _, _, a_sums, a_members = heapq.heappop(heap)
-        _, _, b_sums, b_members = heapq.heappop(heap)
-        merged = a_sums + b_sums[::-1]
-        by_sum = np.argsort(-merged, kind="stable")
-        merged = merged[by_sum]
-        heapq.heappush(heap, (merged[-1] - merged[0], created, merged,
-                              np.vstack([a_members, b_members[:, ::-1]])[:, by_sum]))
-        created += 1
-    return heap[0][3]
-
-
-def _polish(members: np.ndarray, cost: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarray:
-    """Pairwise exchange after KK on [places, rows] members: each heavy row and a light row partner swap the
-    two pairs (or move the one) that bring their costs closest, all partners at once in one
-    [places, places, rows/2] array; the partners alternate between mirror (heaviest with lightest) and
-    shifted (i with i + rows/2) so that a pass finds new swaps.  A swap only narrows a partnership's gap, so
-    the heaviest row never grows."""
-    k = members.shape[1]
-    half = k // 2
-    cost0, tokens0 = np.append(cost, 0.0), np.append(tokens, 0)  # index -1: no pair
-    # With tokens as the cost a swap that narrows a gap cannot break the budget; with an attention term it can.
-    weighted = bool((cost != tokens).any())
-    mirror, shifted = np.arange(k - 1, k - 1 - half, -1), np.arange(k - half, k)
-    for sweep in range(_POLISH_PASSES if half else 0):
-        if (members[-1] >= 0).any():  # a free place in every row, so that a move is a swap with nothing
-            members = np.vstack([members, np.full((1, k), -1, dtype=np.int64)])
-        costs = cost0[members]
-        by_sum = np.argsort(-costs.sum(axis=0), kind="stable")
-        members, costs = members[:, by_sum], costs[:, by_sum]
-        light = shifted if sweep % 2 else mirror  # light[i] > i: row i is the heavier partner
-        heavy_costs, light_costs = costs[:, :half], costs[:, light]
-        delta = heavy_costs[:, None, :] - light_costs[None, :, :]  # [given place, taken place, partnership]
-        gap = heavy_costs.sum(axis=0) - light_costs.sum(axis=0)
-        gain = (gap - np.abs(gap - 2 * delta)).reshape(-1, half)
-        best = gain.argmax(axis=0)
-        act = np.flatnonzero(gain[best, np.arange(half)] > 1e-9)
-        at_heavy, at_light = np.divmod(best[act], members.shape[0])
-        given, taken = members[at_heavy, act], members[at_light, light[act]]
-        if weighted:  # the budget, on the chosen swaps only
-            moved = tokens0[given] - tokens0[taken]
-            keep = ((tokens0[members[:, act]].sum(axis=0) - moved <= budget)
-                    & (tokens0[members[:, light[act]]].sum(axis=0) + moved <= budget))
-            if not keep.any():
-                break
-            act, at_heavy, at_light, given, taken = act[keep], at_heavy[keep], at_light[keep], given[keep], taken[keep]
-        members[at_heavy, act] = taken
-        members[at_light, light[act]] = given
-    return members
-
-
-def _aligned_rows(order: np.ndarray, tokens: np.ndarray, cost: np.ndarray, world: int, slots: int,
-                  budget: int) -> np.ndarray | None:
-    """Row (0 .. world*slots-1) of every pair (``order``: the pairs by cost descending), rows of near-equal
-    cost; None when this greedy cannot keep every row within the budget with that many slots."""
-    row = np.full(tokens.size, -1, dtype=np.int64)
-    for slot in range(slots):
-        rows_left = world * (slots - slot)
-        if order.size and cost[order[0]] * rows_left >= cost[order].sum() and slot < slots - 1:
-            # leave every later row at least one pair, so that a dummy row means a rank ran out of pairs
-            limit = order.size - world - world * (slots - slot - 1)
-            filled, order = _fill_slot(order, cost, tokens, world, budget, limit)
-            placed = filled >= 0
-            row[placed] = slot * world + filled[placed]
-            continue
-        members = _polish(_round_karmarkar_karp(order, cost, rows_left), cost, tokens, budget)
-        place, column = np.nonzero(members >= 0)
-        row[members[place, column]] = slot * world + column
-        break
-    row_tokens = np.bincount(row, weights=tokens, minlength=world * slots)
-    return row if row_tokens.max() <= budget else None
-
-
-def _deal_slots(blocks: np.ndarray, row_cost: np.ndarray, world: int) -> np.ndarray:
-    """Rank of each row: ``blocks[i]`` are the ``world`` rows of slot i (rank order: slot order), each slot's
-    heaviest row to the rank with the least so far (rank balance)."""
-    rank_of_row = np.empty(row_cost.size, dtype=np.int64)
-    rank_load = np.zeros(world)
-    for slot_rows in blocks:
-        slot_rows = slot_rows[np.argsort(-row_cost[slot_rows], kind="stable")]
-        ranks = np.argsort(rank_load, kind="stable")
-        rank_of_row[slot_rows] = ranks
-        rank_load[ranks] += row_cost[slot_rows]
-    return rank_of_row
-
-
 def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, prompt: np.ndarray | None,
                   cfg: PlanConfig) -> list[list[Row]]:
     """Fewest slots R such that the pairs fit world x R rows, rows of near-equal cost, R rows dealt to each rank so
@@ -540,13 +385,13 @@ def _packed_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
     tokens = pair_tokens(c, r, p, cfg.layout.shares_prefixes)
     cost = tokens + cfg.attention_weight * pair_attention_sq(c, r, p, cfg.layout.shares_prefixes).astype(np.float64)
     heaviest_first = np.argsort(-cost, kind="stable")
-    slots = _slot_count_floor(tokens, world, budget)
-    while (row := _aligned_rows(heaviest_first, tokens, cost, world, slots, budget)) is None:
+    slots = slot_count_floor(tokens, world, budget)
+    while (row := aligned_rows(heaviest_first, tokens, cost, world, slots, budget)) is None:
         slots += 1  # ends: with world * slots >= pairs every pair has a row to itself
     count = world * slots
     row_cost = np.bincount(row, weights=cost, minlength=count)
     row_tokens = np.bincount(row, weights=tokens, minlength=count).astype(np.int64)
-    rank_of_row = _deal_slots(np.argsort(-row_cost, kind="stable").reshape(slots, world), row_cost, world)
+    rank_of_row = deal_slots(np.argsort(-row_cost, kind="stable").reshape(slots, world), row_cost, world)
     # pairs grouped by row (heaviest pair first); rows built rank by rank, each rank's by tokens descending
     by_row = heaviest_first[np.argsort(row[heaviest_first], kind="stable")]
     pair_ids = tuple(step_pairs[by_row].tolist())
@@ -589,7 +434,7 @@ def _spread_ranks(step_pairs: np.ndarray, chosen: np.ndarray, rejected: np.ndarr
     blocks = blocks[np.argsort(-row_cost[blocks].max(axis=1), kind="stable")]  # heaviest slot first: peak memory
     position = np.empty(count, dtype=np.int64)
     position[blocks] = np.arange(slots)[:, None]
-    final = np.lexsort((position, _deal_slots(blocks, row_cost, world)))
+    final = np.lexsort((position, deal_slots(blocks, row_cost, world)))
     by_row = np.lexsort((np.arange(responses.count), responses.unit, row))  # each row's responses unit by unit
     response_ids = by_row.tolist()
     sizes = np.bincount(row, minlength=count)
@@ -686,117 +531,3 @@ def _iter_steps(chosen, rejected, prompt, cfg, epochs, start_epoch, start_step, 
         steps = first if epoch == start_epoch else step_compositions(chosen, rejected, cfg, epoch, groups)
         for step in range(start_step if epoch == start_epoch else 0, len(steps)):
             yield _plan_step(steps[step], chosen, rejected, prompt, cfg, epoch, step, groups)
-
-
-# ----------------------------------------------------------------------------- reporting
-
-
-def pack_stats(chosen_lengths, rejected_lengths, cfg: PlanConfig, epochs: int = 1, prompt_lengths=None,
-               groups: PairGroups | None = None) -> dict:
-    """Quality of the packed plan next to the padded baseline on the same steps (the ``pack-stats`` command).
-
-    real_tokens: the tokens of the packed rows (each prompt once when ``cfg.layout`` shares prefixes; the
-      packed layout when ``cfg.layout`` is padded).
-    lockstep_utilization (the headline): real tokens / (world * sum over row slots of the largest row),
-      packed -- the figure that matters under ZeRO-3, where ranks run row i together.
-    utilization (rank balance): mean over steps of mean-rank-tokens / max-rank-tokens (packed; 1 = balanced).
-    row_fill: real tokens / (rows * budget), dummy rows included.
-    sequence_tokens: both sequences of every pair (what a run without prefix sharing computes);
-      prompt_tokens_shared = sequence_tokens - real_tokens, the tokens prefix sharing does not compute, and
-      prefix_sharing_ideal_speedup = sequence_tokens / real_tokens (1.0 without sharing).
-    With ``groups``: prompt_groups (the data's groups), prefix_shared_tokens (each pair's prompt once, what prefix
-    sharing alone computes) and prompt_groups_ideal_speedup = prefix_shared_tokens / real_tokens (what grouping
-    saves over prefix sharing alone; 1.0 with --no-prompt-groups), and prompt_copy_tokens: the prompt tokens the
-    rows compute beyond one copy per prompt group of a step, what spreading a group's responses over ranks spends on
-    balance (data/response_spread.py); they are in real_tokens (the rows compute them).
-    padded_utilization: sequence tokens / computed tokens of the padded baseline (micro_batch_pairs pairs
-      per micro-batch, pairs dealt by count; its 1-token dummy rows included).
-    padded_step_utilization: mean over steps of step sequence tokens / (world * max-rank padded computed tokens).
-    """
-    world = cfg.dp_size
-    started = time.perf_counter()
-    rank_tokens, rows_per_rank, lockstep, dummy_rows, copies = [], [], 0, 0, 0
-    packed = cfg.layout if cfg.layout.packed else RowLayout.PACKED
-    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, layout=packed), epochs,
-                          prompt_lengths=prompt_lengths, groups=groups):
-        copies += plan.prompt_copy_tokens
-        rank_tokens.append(plan.rank_tokens)
-        rows_per_rank.append(plan.rows_per_rank)
-        lockstep += sum(max(rows[i].tokens for rows in plan.ranks) for i in range(plan.rows_per_rank))
-        dummy_rows += sum(1 for rows in plan.ranks for row in rows if not row.pairs)
-    planning_seconds = time.perf_counter() - started
-    padded_rank_computed, padded_rows_per_rank, step_sequence_tokens = [], [], []
-    for plan in iter_plan(chosen_lengths, rejected_lengths, replace(cfg, layout=RowLayout.PADDED), epochs,
-                          groups=groups):
-        padded_rank_computed.append(plan.rank_computed_tokens)
-        padded_rows_per_rank.append(plan.rows_per_rank)
-        step_sequence_tokens.append(sum(plan.rank_tokens))
-
-    rank_tokens = np.array(rank_tokens, dtype=np.float64)  # [steps, world]
-    padded_rank_computed = np.array(padded_rank_computed, dtype=np.float64)
-    step_sequence_tokens = np.array(step_sequence_tokens, dtype=np.float64)
-    step_tokens = rank_tokens.sum(axis=1)
-    real_tokens = int(step_tokens.sum())
-    sequence_tokens = int(step_sequence_tokens.sum())
-    padded_computed = int(padded_rank_computed.sum())
-    step_utilization = rank_tokens.mean(axis=1) / rank_tokens.max(axis=1)
-    rows = sum(rows_per_rank) * world
-    grouping = {}
-    if groups is not None and prompt_lengths is not None:
-        shared = int(pair_tokens(chosen_lengths, rejected_lengths, prompt_lengths, True).sum()) * epochs
-        grouping = {"prompt_groups": cfg.layout.groups_prompts, "groups": groups.count, "prefix_shared_tokens": shared,
-                    "prompt_groups_ideal_speedup": shared / real_tokens, "prompt_copy_tokens": copies}
-    return {
-        "pairs": int(len(chosen_lengths)),
-        "epochs": epochs,
-        "steps": len(rows_per_rank),
-        "dp_size": world,
-        "max_tokens_per_row": cfg.max_tokens_per_row,
-        "global_batch_pairs": cfg.global_batch_pairs,
-        "tokens_per_step": cfg.tokens_per_step,
-        "attention_weight": cfg.attention_weight,
-        "micro_batch_pairs": cfg.micro_batch_pairs,
-        "prefix_sharing": cfg.layout.shares_prefixes,
-        "real_tokens": real_tokens,
-        "sequence_tokens": sequence_tokens,
-        "prompt_tokens_shared": sequence_tokens - real_tokens,
-        "prefix_sharing_ideal_speedup": sequence_tokens / real_tokens,
-        "rows": rows,
-        "dummy_rows": dummy_rows,
-        "rows_per_rank": {"min": min(rows_per_rank), "max": max(rows_per_rank)},
-        "lockstep_utilization": real_tokens / (world * lockstep),
-        "rank_balance": float(step_utilization.mean()),  # mean / max rank tokens, mean over steps
-        "rank_balance_min": float(step_utilization.min()),
-        "row_fill": real_tokens / (rows * cfg.max_tokens_per_row),
-        "padded_computed_tokens": padded_computed,
-        "padded_utilization": sequence_tokens / padded_computed,
-        "padded_step_utilization": float((step_sequence_tokens / (world * padded_rank_computed.max(axis=1))).mean()),
-        "padded_rows_per_rank": {"min": min(padded_rows_per_rank), "max": max(padded_rows_per_rank)},
-        "planning_seconds": planning_seconds,
-        **grouping,
-    }
-
-
-def write_plan_jsonl(plans: Iterable[StepPlan], path, pair_ids: Sequence | None = None) -> None:
-    """One JSON line per (step, rank, row); written to a temporary file and renamed, so never half-written.  A row of
-    prompt groups lists the pairs it computes a side of and, under ``responses``, each response it computes."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def name(index):
-        value = pair_ids[int(index)] if pair_ids is not None else int(index)
-        return value.item() if isinstance(value, np.generic) else value
-
-    def write(temporary: str) -> None:
-        with open(temporary, "w") as handle:
-            for plan in plans:
-                for rank, rows in enumerate(plan.ranks):
-                    for index, row in enumerate(rows):
-                        record = {"epoch": plan.epoch, "step": plan.step, "rank": rank, "row": index,
-                                  "pairs": [name(i) for i in row.pairs], "tokens": row.tokens}
-                        if plan.responses is not None:  # prompt groups: [pair, "chosen"|"rejected"] it computes
-                            record["responses"] = [[name(plan.responses.source[m]), SIDES[plan.responses.side[m]]]
-                                                   for m in row.responses]
-                        handle.write(json.dumps(record) + "\n")
-
-    atomic_write(path, write)
