@@ -45,7 +45,7 @@ from .command_settings import NOT_ACTED_ON, refused_epilog
 from .comparisons import GROUPS_OFF, headline
 from .config import LARGEST_COUNT, FlagParser, add_arguments, config_from_args
 from .console import progress_bar, said_already
-from .data.run_plan import prompt_groups_of, run_length, run_plan
+from .data.run_plan import run_length, run_plan
 from .errors import InputError, run_guarded
 from .files import check_output_folder
 from .model.build import ModelSpec, tiny_config
@@ -374,7 +374,7 @@ def prompt_groups_ideal(setup: RunSetup) -> float:
     where the configuration does not group prompts)."""
     if not setup.spec.row_layout.groups_prompts:
         return 1.0
-    groups, prepared = prompt_groups_of(setup.prepared), setup.prepared
+    groups, prepared = setup.prepared.groups, setup.prepared
     chosen, rejected, prompt = (np.asarray(lengths, dtype=np.int64) for lengths in
                                 (prepared.chosen_lengths, prepared.rejected_lengths, prepared.prompt_lengths))
     responses = np.concatenate([groups.chosen, groups.rejected])

@@ -22,7 +22,7 @@ from .config import FlagParser, TrainConfig, add_arguments, config_from_args, pa
 from .console import launcher_options, quiet_libraries, rank_environment
 from .data.plan_report import pack_stats, write_plan_jsonl
 from .data.prepare import prepare_pairs, run_prepare
-from .data.run_plan import checked_plan_config, prompt_groups_of, run_length, run_plan
+from .data.run_plan import checked_plan_config, run_length, run_plan
 from .data.source import prepare_run_data, split_held_out, tokenizer_and_rows
 from .errors import InputError, PeerFailureError, StoppedError, run_guarded
 from .files import check_output_file, check_output_folder
@@ -165,7 +165,7 @@ def cmd_pack_stats(argv: list[str]) -> int:
         plan_cfg = checked_plan_config(plan, layout.sp_size, prepared)  # what trains
         epochs = run_length(plan, prepared).epochs  # --max-steps may extend them, as in training
         stats = pack_stats(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs=epochs,
-                           prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
+                           prompt_lengths=prepared.prompt_lengths, groups=prepared.groups)
         if args.plan_out:
             write_plan_jsonl(run_plan(prepared, plan_cfg, epochs), args.plan_out,
                              pair_ids=prepared.pair_ids)

@@ -22,7 +22,7 @@ from .command_settings import NOT_ACTED_ON, refused_epilog
 from .config import FlagParser, add_arguments, config_from_args
 from .console import progress_bar
 from .data.plan import PlanConfig, steps_per_epoch
-from .data.run_plan import prompt_groups_of, run_plan
+from .data.run_plan import run_plan
 from .run import hooks
 from .run.assemble import RunSetup, prepare, start
 from .run.process_group import exit_rank, run_rank_job
@@ -69,7 +69,7 @@ def every_pair_once(setup: RunSetup) -> PlanConfig:
 def epoch_steps(setup: RunSetup) -> int:
     prepared = setup.prepared
     return steps_per_epoch(prepared.chosen_lengths, prepared.rejected_lengths, every_pair_once(setup),
-                           groups=prompt_groups_of(prepared))
+                           groups=prepared.groups)
 
 
 def run_info(setup: RunSetup) -> dict:

@@ -15,6 +15,7 @@ from conftest import DATASET_KINDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ds_packdpo.data import pair_keys
 from ds_packdpo.data import prepare as data
 from ds_packdpo.data.prepare import DataConfig, prepare_pairs, run_prepare, tokenizer_fingerprint, truncation_lengths, write_pairs_jsonl
 from ds_packdpo.config import parse_train_args
@@ -283,8 +284,12 @@ def test_a_cache_hit_reads_no_rows(tmp_path, dpo_demo_rows, demo_tokenizer, cach
     with monkeypatch.context() as patched:
         patched.setattr(data, "open_rows", no_rows)
         patched.setattr(data, "_validate", no_rows)
+        patched.setattr(pair_keys, "content_keys", no_rows)  # the prompt groups: memory-mapped from beside the cache
         again = prepare_pairs(cfg, demo_tokenizer)
     assert again.summary == first.summary and again.summary["dropped"] == {"null_field": 1}
+    assert isinstance(again.groups.group.base, np.memmap) and again.groups.count == first.groups.count
+    for field in ("group", "chosen", "rejected"):
+        np.testing.assert_array_equal(getattr(again.groups, field), getattr(first.groups, field))
     assert again.fingerprint == first.fingerprint
     assert pair_ids(again) == pair_ids(first)
     np.testing.assert_array_equal(again.chosen_lengths, first.chosen_lengths)

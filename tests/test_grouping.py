@@ -187,7 +187,8 @@ def plan_inputs(pairs):
 def test_content_groups_from_the_arrow_table_equal_pair_groups(monkeypatch):
     """data/pair_keys.py (keys from the table, a block of rows at a time) numbers groups and responses exactly as
     pair_groups does on the token lists: shared responses, a response of another prompt, chosen equal to rejected,
-    blocks of 7 rows, a selection (an indices mapping, as held-out splits and drops make)."""
+    blocks of 7 rows, a selection (an indices mapping, as held-out splits and drops make), and the whole table's groups
+    renumbered for that selection (how a warm run gets a selection's groups from the saved ones)."""
     monkeypatch.setattr(pair_keys, "BLOCK_ROWS", 7)
     pairs = grouped_token_pairs(30, seed=2)
     same = pairs[0]["chosen_ids"]
@@ -198,9 +199,13 @@ def test_content_groups_from_the_arrow_table_equal_pair_groups(monkeypatch):
         rows = dataset[:]
         want = pair_groups(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"])
         got = pair_keys.groups_of_keys(pair_keys.content_keys(dataset, longest))
+        selected = pair_keys.selected_groups(pair_keys.groups_of_keys(pair_keys.content_keys(table, longest)),
+                                             np.arange(len(pairs))[::-3] if len(dataset) < len(table) else
+                                             np.arange(len(pairs)))
         assert want.count < len(dataset)
         for field in ("group", "chosen", "rejected"):
             assert np.array_equal(getattr(got, field), getattr(want, field)), field
+            assert np.array_equal(getattr(selected, field), getattr(want, field)), field
 
 
 def test_steps_close_at_the_first_group_end_that_reaches_the_target():

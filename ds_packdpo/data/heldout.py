@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 
 from ..console import say_warning
 from ..errors import InputError
+from .pair_keys import selected_groups
 from .prepare import DataConfig, PreparedPairs
 
 _HASH_SPAN = float(2 ** 64)  # the first 8 bytes of a SHA-256, as an unsigned integer
@@ -104,7 +105,7 @@ def select_pairs(prepared: PreparedPairs, positions: np.ndarray) -> PreparedPair
                                chosen_lengths=prepared.chosen_lengths[positions],
                                rejected_lengths=prepared.rejected_lengths[positions],
                                prompt_lengths=prepared.prompt_lengths[positions],
-                               content_keys=prepared.content_keys[positions], pair_ids=prepared.pair_ids[positions])
+                               groups=selected_groups(prepared.groups, positions), pair_ids=prepared.pair_ids[positions])
 
 
 def split_by_content(prepared: PreparedPairs, fraction: float) -> tuple[PreparedPairs, PreparedPairs]:

@@ -5,9 +5,11 @@ million pairs: ~10 GB, in every rank and the front process).  Here each token se
 hashes ``length * w[L] + sum_i ids[i] * w[i] mod 2**64`` with random odd weights per position (two different
 sequences share a hash with probability <= 2**-44, both with <= 2**-88: token ids and lengths differ by less than
 2**20), computed from the memory-mapped table a block of rows at a time; the first-appearance numbering of groups
-and responses is then done on the keys (the package's only numbering of them).  The keys of a tokenized cache file
-are saved beside it (``prepare`` writes them), so a warm run plans without reading a token id.
-``tests/test_grouping.py`` checks the keys give the groups its tuple oracle gives.
+and responses is then done on the keys (the package's only numbering of them).  The groups of a tokenized cache file
+are saved beside it (``prepare`` writes them, 24 bytes a pair) and memory-mapped by every later process, so a warm run
+neither reads a token id nor sorts keys to plan: the sort's transient arrays (~160 MB at a million pairs) were paid by
+every rank.  A selection of the pairs (drops, a held-out split) renumbers the saved ids (:func:`selected_groups`).
+``tests/test_grouping.py`` checks the keys give the groups its tuple oracle gives, whole and selected.
 """
 
 from __future__ import annotations
@@ -73,18 +75,38 @@ def content_keys(dataset: datasets.Dataset, longest: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def cached_content_keys(dataset: datasets.Dataset, longest: int, path: Path) -> np.ndarray:
-    """:func:`content_keys` of a tokenized cache file, saved beside it by the first process that needs them and
-    memory-mapped by the others: a warm run reads no token id to plan."""
+def cached_pair_groups(dataset: datasets.Dataset, longest: int, path: Path) -> PairGroups:
+    """The groups of a tokenized cache file (:func:`groups_of_keys`), saved beside it by the first process that needs
+    them as one int64 [pairs, 3] array and memory-mapped by the others (pages shared by the ranks of a node)."""
     if not path.is_file():
-        keys = content_keys(dataset, longest)
+        groups = groups_of_keys(content_keys(dataset, longest))
+        table = np.stack([groups.group, groups.chosen, groups.rejected], axis=1)
 
         def write(tmp):
             with open(tmp, "wb") as handle:  # a handle: np.save would add ".npy" to the temporary name
-                np.save(handle, keys)
+                np.save(handle, table)
 
         atomic_write(path, write)
-    return np.load(path, mmap_mode="r")
+    table = np.load(path, mmap_mode="r")
+    return PairGroups(table[:, 0], table[:, 1], table[:, 2])
+
+
+def _first_appearance_labels(labels: np.ndarray) -> np.ndarray:
+    """int64 labels renumbered 0, 1, ... in order of first appearance."""
+    _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
+    rank = np.empty(first.size, dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
+    return rank[inverse.reshape(-1)]
+
+
+def selected_groups(groups: PairGroups, positions: np.ndarray) -> PairGroups:
+    """The groups of the pairs at ``positions`` (in that order), numbered as :func:`groups_of_keys` numbers them for
+    those pairs alone: equal ids stay equal (the same prompt, the same response), renumbered by first appearance."""
+    group = _first_appearance_labels(np.asarray(groups.group)[positions])
+    responses = np.empty(2 * group.size, dtype=np.int64)  # chosen, rejected, next pair: the order responses number in
+    responses[0::2], responses[1::2] = np.asarray(groups.chosen)[positions], np.asarray(groups.rejected)[positions]
+    ids = _first_appearance_labels(responses)
+    return PairGroups(group, ids[0::2].copy(), ids[1::2].copy())
 
 
 def groups_of_keys(keys: np.ndarray) -> PairGroups:

@@ -40,8 +40,9 @@ from ..errors import InputError
 from ..files import atomic_write
 from .multi_response import MULTI_RESPONSE_FORMATS, PAIRS_FROM, GroupLayout, GroupPairs, columns_for, detect_layout
 from .normalized import NormalizedPairs
-from .pair_keys import cached_content_keys
+from .pair_keys import cached_pair_groups, selected_groups
 from .pair_numbers import SIDES, STAT_COLUMNS, cached_pair_numbers
+from .prompt_groups import PairGroups
 from .raw_rows import ColumnScan, RawRows, open_rows, rows_in_memory
 from .rows import BadRow, completion_messages, every_field, field_value, kind_of, message_list, text_value
 
@@ -123,7 +124,7 @@ class PreparedPairs:
     summary: dict
     fingerprint: str                # (content, tokenizer, settings); keys caches and precomputed reference log-probs
     prompt_lengths: np.ndarray      # int64 [N]: len(prompt_ids) (what prefix sharing computes once per pair)
-    content_keys: np.ndarray        # uint64 [N, 3, 2]: keys of the prompt, chosen and rejected ids (data/pair_keys.py)
+    groups: PairGroups              # which pairs share a prompt, and which responses (data/pair_keys.py)
     pair_ids: np.ndarray            # int64 [N]: each pair's id (data/pair_numbers.py)
 
 
@@ -555,10 +556,11 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     if kept.size == 0:
         raise InputError(f"{label}: no pair left after truncation to max_length={cfg.max_length} ({dict(dropped)})")
     pairs = encoded.remove_columns(list(STAT_COLUMNS))
-    if kept.size < len(pairs):
+    every_pair = kept.size == len(pairs)  # then no array is copied to select the kept pairs (8 MB each at 1M pairs)
+    if not every_pair:
         pairs = pairs.select(kept)
     longest = max(int(values.max(initial=0)) for values in lengths.values())  # of every row the keys cover
-    lengths = {name: values[kept] for name, values in lengths.items()}
+    lengths = {name: values if every_pair else values[kept] for name, values in lengths.items()}
     chosen_lengths = lengths["prompt"] + lengths["chosen"]
     rejected_lengths = lengths["prompt"] + lengths["rejected"]
     summary = {
@@ -582,9 +584,10 @@ def _finish(cfg: DataConfig, encoded: datasets.Dataset, fingerprint: str, fmt: s
     if groups is not None:
         summary["multi_response"] = groups
     warn_if_mostly_truncated(cfg, summary)
-    keys = cached_content_keys(encoded, longest, cfg.cache_path / f"pairs-{fingerprint}.keys.npy")
+    groups = cached_pair_groups(encoded, longest, cfg.cache_path / f"pairs-{fingerprint}.groups.npy")
     return PreparedPairs(pairs, chosen_lengths, rejected_lengths, summary, fingerprint, lengths["prompt"],
-                         keys if kept.size == len(encoded) else keys[kept], numbers["pair_id"][kept])
+                         groups if every_pair else selected_groups(groups, kept),
+                         numbers["pair_id"] if every_pair else numbers["pair_id"][kept])
 
 
 def warn_if_mostly_truncated(cfg: DataConfig, summary: dict) -> None:

@@ -17,8 +17,6 @@ import numpy as np
 from ..errors import InputError
 from .plan import PlanConfig, StepPlan, iter_plan, pair_tokens, steps_per_epoch, validate_lengths, warn_if_ranks_idle
 from .prepare import PreparedPairs
-from .pair_keys import groups_of_keys
-from .prompt_groups import PairGroups
 
 
 @dataclass(frozen=True)
@@ -56,21 +54,12 @@ def check_pairs_fit_group(chosen_lengths, rejected_lengths, per_rank_budget: int
                          f"{-(-need // per_rank_budget)}")
 
 
-def prompt_groups_of(prepared: PreparedPairs) -> PairGroups:
-    """The pairs' prompt groups (same prompt token ids), computed once per PreparedPairs object."""
-    groups = prepared.__dict__.get("_prompt_groups")
-    if groups is None:
-        groups = groups_of_keys(prepared.content_keys)
-        prepared.__dict__["_prompt_groups"] = groups
-    return groups
-
-
 def run_plan(prepared: PreparedPairs, plan_cfg: PlanConfig, epochs: int, start_epoch: int = 0,
              start_step: int = 0) -> Iterator[StepPlan]:
     """The steps of a run over its tokenized pairs: ``iter_plan`` with every length the plan may need (the prompts',
     for rows that hold each prompt once) and the prompt groups (the unit of the steps whatever the layout)."""
     return iter_plan(prepared.chosen_lengths, prepared.rejected_lengths, plan_cfg, epochs, start_epoch, start_step,
-                     prompt_lengths=prepared.prompt_lengths, groups=prompt_groups_of(prepared))
+                     prompt_lengths=prepared.prompt_lengths, groups=prepared.groups)
 
 
 def checked_plan_config(plan: PlanSpec, sp_size: int, prepared: PreparedPairs) -> PlanConfig:
@@ -118,7 +107,7 @@ def run_length(plan: PlanSpec, prepared: PreparedPairs, steps_wanted: int | None
     # epochs are counted (each one planned) only until they hold the steps wanted: --epochs 1000 --max-steps 10 plans
     # the epochs of 10 steps, not a thousand
     while (epochs < plan.epochs or (wanted and not plan.epochs_given)) and not (wanted and steps >= wanted):
-        per_epoch = steps_per_epoch(*lengths, plan.config, epoch=epochs, groups=prompt_groups_of(prepared))
+        per_epoch = steps_per_epoch(*lengths, plan.config, epoch=epochs, groups=prepared.groups)
         if per_epoch == 0:  # --drop-last on fewer pairs than a step: no epoch ever holds a step
             break
         epochs, steps = epochs + 1, steps + per_epoch
@@ -153,7 +142,7 @@ def plan_figures(plan_cfg: PlanConfig, prepared: PreparedPairs, epochs: int, ste
         real += sum(plan.rank_tokens)
         rows.append(plan.rows_per_rank)
         lockstep += sum(max(ranks[i].computed_tokens for ranks in plan.ranks) for i in range(plan.rows_per_rank))
-    grouped = prompt_groups_of(prepared).count < len(prepared.chosen_lengths)  # steps of whole groups: sizes vary
+    grouped = prepared.groups.count < len(prepared.chosen_lengths)  # steps of whole groups: sizes vary
     return {"pairs": pairs, "tokens": real, "rows_per_rank": {"min": min(rows), "max": max(rows)},
             **({"pairs_per_step": {"min": min(step_pairs), "max": max(step_pairs)}} if grouped else {}),
             **({"prompt_copy_tokens": copies} if plan_cfg.layout.groups_prompts and grouped else {}),
