@@ -422,7 +422,7 @@ def configuration_setup(flags, name: str, first: RunSetup, world_size: int | Non
     """Phase one of one configuration (``first``: the base flags' set-up; None for the precomputed reference: its
     file does not exist yet)."""
     if CONFIGURATIONS[name].get("ref_logps") == PRECOMPUTED:
-        conflict = precomputed_conflict(first.spec.loss, first.spec.reference.offload)
+        conflict = precomputed_conflict(first.spec.loss, first.spec.reference.offload, first.spec.reference.whole)
         if conflict:  # else it would measure the run without it, under its name
             raise InputError(f"--configurations {name}: {conflict}")
         return None

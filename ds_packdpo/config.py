@@ -225,6 +225,9 @@ class TrainConfig:
     ds_config: str = _opt("DeepSpeed config: a built-in name (zero3, zero3_offload, zero2: ds_configs/, shipped in the "
                           "package) or a JSON path.", "zero3")
     ref_offload: bool = _opt("Offload the reference parameters to CPU (ZeRO-3).", False)
+    ref_whole: bool = _opt("Keep the reference's weights whole on every rank (ZeRO-3: each of its parameters persistent, "
+                           "gathered once): its forward gathers and releases nothing, for its whole weights' memory "
+                           "on every GPU. Under ZeRO 0-2 the reference is whole already.", False)
     # ZeRO's communication (run/engines.ZeroSpec): each also a key of --ds-config's zero_optimization, given once
     zero_prefetch_bucket_size: int | None = _opt(
         "ZeRO-3's stage3_prefetch_bucket_size: parameter elements gathered ahead of the layers that need them. "

@@ -18,7 +18,7 @@
 #   profile  the train stage's run, steps 2-3 under torch.profiler (--profile-steps): the step's GPU time by category
 #            (GEMMs, attention, log-prob stage, elementwise, ZeRO-3 collectives, optimizer, idle), FLOPs per category
 #   tune     the train stage once per variant of TUNE_VARIANTS (names of scripts/gpu_tune.py's VARIANTS: compile,
-#            liger, logps=fused|lean, row-budget=16k|32k|64k, zero3-*, no-overlap-comm, activation-checkpointing;
+#            liger, logps=fused|lean, row-budget=16k|32k|64k, zero3-*, no-overlap-comm, ref-whole, activation-checkpointing;
 #            A+B for both), each in its own process, TUNE_STEPS steps, TUNE_LIMIT s each: one MFU / tokens/s /
 #            peak-memory table
 #   train    1-GPU ZeRO-3 bf16 DPO of a random Llama-3.2-1B-shaped model on dpo_en_demo.json, max length 4096,
@@ -139,7 +139,7 @@ else
                 --bench-warmup-steps 1 --bench-rounds 2 --peak-tflops 989)
     TRL=(--steps 3 --batch-pairs 32 --micro-batch-pairs 4 --max-length 4096)
     # the first invocation's levers; a second names what the first pointed at (docs/gpu.md)
-    TUNE_VARIANTS=${TUNE_VARIANTS:-default,compile,liger,logps=fused,no-overlap-comm}; TUNE_STEPS=4; TUNE_LIMIT=75
+    TUNE_VARIANTS=${TUNE_VARIANTS:-default,compile,liger,logps=fused,zero3-persist=all}; TUNE_STEPS=4; TUNE_LIMIT=75
 fi
 COMMON=(--model-config "$WORK/model" --tokenizer "$WORK/tokenizer" --dataset "$DATA"
         --ds-config "$WORK/zero3_torch_adam.json" --cache-dir "$WORK/cache" --lr 1e-6 --beta 0.1 --no-progress)

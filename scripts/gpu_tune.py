@@ -33,6 +33,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "row-budget=64k": ("--max-tokens-per-row", "65536"),
     "zero3-prefetch=2e8": ("--zero-prefetch-bucket-size", "200000000"),
     "zero3-persist=1e6": ("--zero-param-persistence-threshold", "1000000"),
+    # every policy parameter persistent (none has 2**31 elements): no gather or release per module, what ZeRO-3 costs
+    "zero3-persist=all": ("--zero-param-persistence-threshold", str(2**31 - 1)),
+    "ref-whole": ("--ref-whole",),
     "zero3-reduce-bucket=5e8": ("--zero-reduce-bucket-size", "500000000"),
     "no-overlap-comm": ("--no-zero-overlap-comm",),
     "activation-checkpointing": ("--gradient-checkpointing",),

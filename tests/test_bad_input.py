@@ -186,6 +186,14 @@ BAD_CONFIGS = {
     # found by the cross-feature audit: refused only once the policy engine existed (after the process group)
     "reference offload without ZeRO-3": (lambda d: ["--ref-offload", "--sync-ref-model", "--ds-config", "zero2"],
                                          "--ref-offload needs a ZeRO-3 DeepSpeed config"),
+    "reference whole and offloaded": (lambda d: ["--ref-whole", "--ref-offload"],
+                                      "--ref-whole with --ref-offload: the one keeps the reference's weights on every "
+                                      "GPU, the other on the CPU; drop one of them"),
+    "reference whole and mixed (TR-DPO)": (lambda d: ["--ref-whole", "--sync-ref-model"],
+                                           "--ref-whole with --sync-ref-model: TR-DPO mixes each rank's partition"),
+    "reference whole without a reference model (LoRA)": (lambda d: ["--ref-whole", "--lora-r", "4"],
+                                                         "--ref-whole with --lora-r: the reference is the policy with "
+                                                         "its adapters off"),
     "DeepSpeed unknown ZeRO key": (
         lambda d: ["--ds-config", _ds_config(d, json.dumps({"zero_optimization": {"stage": 3, "overlap_com": True}}))],
         "'zero_optimization.overlap_com': Extra inputs are not permitted, got True"),

@@ -694,7 +694,7 @@ def test_bench_sets_aside_what_only_training_does_when_a_recipe_holds_it(tmp_pat
         bench.check_configurations(*bench.parse_bench_args([*args, "--save-steps", "3"]), world_size=1)
 
 
-@pytest.mark.parametrize("flag", ["--loss simpo", "--ref-offload"])
+@pytest.mark.parametrize("flag", ["--loss simpo", "--ref-offload", "--ref-whole"])
 def test_bench_refuses_a_precomputed_reference_the_settings_cannot_take(tmp_path, flag):
     """train refuses --ref-logps with --loss simpo or --ref-offload; the bench's packed-precomputed-ref configuration
     (its file written after the others are measured) was accepted and measured as a run without a reference file

@@ -73,6 +73,7 @@ def test_estimate_parts(tmp_path):
         acts["full"] * 512 / base["row_tokens"])
     assert estimate("--dtype", "bf16")["activations"]["full"] == acts["full"] // 2
     assert estimate("--ref-offload")["reference_weights"] == 0 < base["reference_weights"]
+    assert estimate("--ref-whole")["reference_weights"] == 2 * base["reference_weights"]  # on each of the 2 ranks
     assert estimate("--loss", "simpo")["reference_weights"] == 0
 
 

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from launching import REPO, SMALL_RUN, cpu_env, free_port, launch_script, read_metrics, run, run_together
 import specs
 
@@ -232,6 +233,13 @@ def test_reference_config_offloads_parameters_and_has_no_monitor(tmp_path):
     reference = reference_ds_config(policy, offload=True)
     assert reference["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert not {"optimizer", "scheduler", "csv_monitor"} & set(reference)
+    # --ref-whole: every reference parameter persistent (DeepSpeed reads the keys so), the policy's config untouched;
+    # under ZeRO-2 the reference is a plain whole module already: nothing to change
+    whole = DeepSpeedZeroConfig(**reference_ds_config(policy, offload=False, whole=True)["zero_optimization"])
+    assert whole.param_persistence_threshold == whole.model_persistence_threshold == sys.maxsize
+    assert policy["zero_optimization"].get("stage3_param_persistence_threshold") != sys.maxsize
+    zero2, _ = load_ds_config("zero2")
+    assert reference_ds_config(zero2, offload=False, whole=True) == reference_ds_config(zero2, offload=False)
 
 
 # ---------------------------------------------------------------- real jobs

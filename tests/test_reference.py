@@ -188,7 +188,9 @@ def test_lean_gradients_reach_zero3_partitions(tmp_path):
     V x H lm_head is all-gathered once per row in forward and once in backward, whatever the chunk count
     (it was once per chunk and twice per chunk: 15 and 30 at 71 tokens in chunks of 5).  Fused runs after every
     row's plain and lean (a third forward per row without an optimizer step changes ZeRO-3's prefetch trace, and
-    the counts with it); its gather counts (the same head call as lean's) are not compared."""
+    the counts with it); its gather counts (the same head call as lean's) are not compared.  --ref-whole's reference
+    engine: every parameter persistent, no gather of the head in its forward (the partitioned one gathers it), the
+    same log-probs."""
     out = tmp_path / "report.json"
     run(ranks_script(2, "tests/zero3_lean_check.py", str(out)))
     report = json.loads(out.read_text())
@@ -203,6 +205,9 @@ def test_lean_gradients_reach_zero3_partitions(tmp_path):
             lean, plain = row["lean"], row["plain"]
             # a tied weight is also the input embedding: its own gathers (plain: 2 and 2) come on top of the head's
             assert lean["forward"] == 1 and lean["backward"] == plain["backward"] == (2 if model == "tied" else 1), row
+    for whole in report["whole_reference"]:  # each rank's
+        assert whole["persistent"] == [False, True] and whole["gathers"][0] >= 2 and whole["gathers"][1] == 0, whole
+        assert whole["logps"] <= 1e-6 * whole["logps_scale"] and whole["logps_scale"] > 1.0, whole
 
 
 def test_kept_reference_work_is_continued_refused_or_started_over(tmp_path, capsys):

@@ -7,8 +7,9 @@ partitioned runs the same rows through plain, lean and fused log-probs (fused th
 DeepSpeed's partitions.  The ranks get different numbers of completion tokens (and
 one row gives rank 1 the dummy row with none), so the ranks make different numbers
 of chunks.  It also counts, per row, the all-gathers that bring
-the lm_head weight in (forward and backward apart).  Rank 0 writes the largest
-differences and the counts as JSON.
+the lm_head weight in (forward and backward apart).  Then the reference engine of
+--ref-whole against the partitioned one: its parameters persistent, no gather in its
+forward, the same log-probs.  Rank 0 writes the largest differences and the counts as JSON.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ds_packdpo.model.collate import collate_packed
 from ds_packdpo.model.logps import forward_logps
 from ds_packdpo.model.build import tiny_config
 from ds_packdpo.model.guard import synthetic_pairs
+from ds_packdpo.run.engines import reference_ds_config
 from ds_packdpo.run.process_group import release_shm_buffer
 
 DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -62,6 +64,34 @@ def count_gathers_of(module: torch.nn.Module, weight: torch.nn.Parameter) -> lis
                 return _original(*args, **kwargs)
             setattr(param, name, counted)
     return count
+
+
+def whole_reference_check(rows) -> dict:
+    """The reference engine partitioned and kept whole (run/engines.reference_ds_config, --ref-whole): whether every
+    parameter is persistent, the lm_head gathers of a pass over the rows once ZeRO-3 has traced the forward (it
+    releases even persistent parameters while it records the trace: the first two forwards), the log-probs."""
+    found = {}
+    for whole in (False, True):
+        ref_ds = reference_ds_config(DS_CONFIG, offload=False, whole=whole)
+        keep_alive = HfDeepSpeedConfig(ref_ds)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=VOCAB), attn_implementation="sdpa")
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model.eval(), config=ref_ds)
+        del keep_alive
+        gathers = count_gathers_of(engine.module, engine.module.lm_head.weight)
+        for _ in range(3):
+            traced = gathers[0]
+            with torch.no_grad():
+                logps = torch.cat([forward_logps(engine, collate_packed(pairs, list(range(len(pairs))), 0), "sdpa",
+                                                 chunk_tokens=5, impl="lean").logps for pairs in rows])
+        found[whole] = {"persistent": all(p.ds_persist for p in engine.module.parameters()),
+                        "gathers": gathers[0] - traced, "logps": logps}
+        engine.destroy()
+    return {"persistent": [found[False]["persistent"], found[True]["persistent"]],
+            "gathers": [found[False]["gathers"], found[True]["gathers"]],
+            "logps": float((found[True]["logps"] - found[False]["logps"]).abs().max()),
+            "logps_scale": float(found[False]["logps"].abs().max())}
 
 
 def main(out_path: str) -> None:
@@ -113,6 +143,9 @@ def main(out_path: str) -> None:
         worst["head_gathers"] = everyone  # [rank][row]
         report["tied" if tied else "untied"] = worst
         engine.destroy()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, whole_reference_check(rows))
+    report["whole_reference"] = everyone  # [rank]
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(report, handle)

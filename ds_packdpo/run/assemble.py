@@ -132,7 +132,7 @@ def ref_sync(flags: TrainConfig) -> RefSync | None:
 
 def reference_spec(flags: TrainConfig, model: ModelSpec, loss: LossConfig, evaluation: EvalSpec) -> ReferenceSpec:
     return ReferenceSpec(logps_file=flags.ref_logps, offload=flags.ref_offload, sync=ref_sync(flags),
-                         lora=model.lora is not None, separate_model=model.reference is not None,
+                         whole=flags.ref_whole, lora=model.lora is not None, separate_model=model.reference is not None,
                          loss=loss, held_out_dataset=evaluation.dataset is not None)
 
 
@@ -490,7 +490,7 @@ def start(setup: RunSetup) -> Run:
     elif spec.command in TRAINING_COMMANDS and model.lora is not None and model.reference is None:
         reference = AdaptersOff()  # no second model: the base weights are the policy's own, frozen
     else:
-        reference = build_reference(model, spec.reference.offload, setup.ds_config, setup.vocab_size, attn, mpu)
+        reference = build_reference(model, spec.reference, setup.ds_config, setup.vocab_size, attn, mpu)
     run = Run(setup, policy, reference, sequence_parallel)
     if spec.row_layout.packed and spec.attention.packing_check:
         run.check_packing()

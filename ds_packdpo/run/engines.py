@@ -10,9 +10,11 @@ and became the run's settings in phase one (run/user_values.py).
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import deepspeed
 import torch
@@ -33,6 +35,9 @@ from .layout import ParallelLayout
 from .metrics import OutputSpec
 from .schedule import Schedule, start_schedule
 from .user_values import monitor_sections, optimizer_section
+
+if TYPE_CHECKING:  # run/reference.py imports this module (zero_stage): the annotation only
+    from .reference import ReferenceSpec
 
 
 @dataclass(frozen=True)
@@ -228,9 +233,14 @@ def validate_ds_config(ds: dict, source: str) -> None:
         raise InputError(f"--ds-config {source}: DeepSpeed refuses it ({first_line(error)})") from None
 
 
-def reference_ds_config(policy_ds: dict, offload: bool, source: str | None = None) -> dict:
+def reference_ds_config(policy_ds: dict, offload: bool, source: str | None = None, whole: bool = False) -> dict:
     """The frozen reference runs forward only: no optimizer, no scheduler, optional parameter offload (phase one
-    builds it once with --ref-offload, so that a config without ZeRO-3 is refused before any rank starts)."""
+    builds it once with --ref-offload, so that a config without ZeRO-3 is refused before any rank starts).
+
+    ``whole`` (--ref-whole) makes every reference parameter persistent under ZeRO-3 (DeepSpeed's own persistence
+    threshold, past any parameter's size): gathered once when the engine starts and never released, so the forward
+    of each row gathers nothing.  The engine stays a ZeRO-3 one so that random weights come from the same
+    ``zero.Init`` as the policy's (a plain module would draw them from another device's generator on a GPU)."""
     # No monitor either: it would open a second writer (a second wandb run) that never gets an event.
     ref = {k: copy.deepcopy(v) for k, v in policy_ds.items() if k not in ("optimizer", "scheduler", *_MONITOR_KEYS)}
     zero = ref.setdefault("zero_optimization", {"stage": 0})
@@ -242,6 +252,8 @@ def reference_ds_config(policy_ds: dict, offload: bool, source: str | None = Non
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     elif zero.get("offload_param", {}).get("device") not in (None, "none"):
         zero.pop("offload_param")  # the policy offloads; the reference keeps the default unless --ref-offload
+    if whole and zero_stage(ref) == 3:
+        zero["stage3_param_persistence_threshold"] = zero["stage3_model_persistence_threshold"] = sys.maxsize
     return ref
 
 
@@ -314,10 +326,12 @@ def build_policy(model: ModelSpec, weight_decay: float, ds_config: dict, vocab_s
     return policy
 
 
-def build_reference(model: ModelSpec, offload: bool, ds_config: dict, vocab_size: int, attn: str, mpu=None):
-    """The frozen reference (``--ref-model`` or the policy's own weights): a ZeRO-3 engine, or a plain module."""
-    return _frozen(model, model.reference or model.path, reference_ds_config(ds_config, offload), vocab_size, attn,
-                   mpu)
+def build_reference(model: ModelSpec, placement: ReferenceSpec, ds_config: dict, vocab_size: int, attn: str,
+                    mpu=None):
+    """The frozen reference (``--ref-model`` or the policy's own weights): a ZeRO-3 engine, or a plain module;
+    offloaded or kept whole as ``placement`` says."""
+    ref_ds = reference_ds_config(ds_config, placement.offload, whole=placement.whole)
+    return _frozen(model, model.reference or model.path, ref_ds, vocab_size, attn, mpu)
 
 
 def build_evaluated_policy(model: ModelSpec, ds_config: dict, vocab_size: int, attn: str, mpu=None):

@@ -92,7 +92,8 @@ def estimate_memory(setup: RunSetup) -> dict:
     if setup.precomputed is None and spec.loss.needs_reference and not (model.lora and model.reference is None):
         ref_total = total if model.reference is None else parameter_counts(reference_model_config(
             model, setup.vocab_size), model.trust_remote_code)[0]
-        reference = 0 if spec.reference.offload else ref_total * element // (world if stage3 else 1)
+        sharded = stage3 and not spec.reference.whole  # --ref-whole: every rank holds all of it
+        reference = 0 if spec.reference.offload else ref_total * element // (world if sharded else 1)
     tokens = spec.plan.row_budget
     layers = hf_config.num_hidden_layers
     per_layer = tokens * layer_activation_elements(hf_config) * element

@@ -57,6 +57,7 @@ class ReferenceSpec:
     logps_file: str | None  # --ref-logps: no reference model at all
     offload: bool  # --ref-offload (ZeRO-3)
     sync: RefSync | None  # --sync-ref-model (None: a fixed reference)
+    whole: bool = False  # --ref-whole: every parameter persistent under ZeRO-3 (run/engines.reference_ds_config)
     lora: InitVar[bool] = False  # the policy trains LoRA adapters (its reference: the policy with them off)
     separate_model: InitVar[bool] = False  # --ref-model names a reference model
     loss: InitVar[LossConfig | None] = None  # the run's loss (one that needs no reference: SimPO)
@@ -69,6 +70,15 @@ class ReferenceSpec:
         if lora and self.offload and not separate_model and self.logps_file is None:
             raise InputError("--ref-offload with --lora-r: the reference is the policy with its adapters off, there "
                              "is no reference model to offload (give --ref-model to use a separate one)")
+        if self.whole and self.offload:
+            raise InputError("--ref-whole with --ref-offload: the one keeps the reference's weights on every GPU, the "
+                             "other on the CPU; drop one of them")
+        if lora and self.whole and not separate_model and self.logps_file is None:
+            raise InputError("--ref-whole with --lora-r: the reference is the policy with its adapters off, there "
+                             "is no reference model to keep whole (give --ref-model to use a separate one)")
+        if self.whole and self.sync is not None:
+            raise InputError("--ref-whole with --sync-ref-model: TR-DPO mixes each rank's partition of the reference, "
+                             "which a whole reference's forward does not read; drop one of them")
         if self.sync is not None:  # TR-DPO needs a reference model of its own to mix (TRL refuses the same)
             if lora:
                 raise InputError("--sync-ref-model with --lora-r: LoRA's reference is the policy with its adapters off "
@@ -83,17 +93,18 @@ class ReferenceSpec:
         if self.logps_file is not None:
             if not Path(self.logps_file).is_file():
                 raise InputError(f"--ref-logps {self.logps_file}: no such file")
-            conflict = precomputed_conflict(loss, self.offload)
+            conflict = precomputed_conflict(loss, self.offload, self.whole)
             if conflict:
                 raise InputError(f"--ref-logps {self.logps_file}: {conflict}; drop one of them")
 
 
-def precomputed_conflict(loss: LossConfig | None, offload: bool) -> str | None:
-    """Why a run takes no precomputed reference (None: it does): its loss needs none, or it offloads a reference
-    model."""
+def precomputed_conflict(loss: LossConfig | None, offload: bool, whole: bool = False) -> str | None:
+    """Why a run takes no precomputed reference (None: it does): its loss needs none, or it places a reference
+    model (offloads it or keeps it whole)."""
     if loss is not None and not loss.needs_reference:
         return f"--loss {loss.loss_type} is reference-free"
-    return "--ref-offload needs a reference model" if offload else None
+    placed = [flag for flag, given in (("--ref-offload", offload), ("--ref-whole", whole)) if given]
+    return f"{placed[0]} needs a reference model" if placed else None
 
 
 def meta_path(path) -> Path:
