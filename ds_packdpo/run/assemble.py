@@ -490,7 +490,8 @@ def start(setup: RunSetup) -> Run:
     elif spec.command in TRAINING_COMMANDS and model.lora is not None and model.reference is None:
         reference = AdaptersOff()  # no second model: the base weights are the policy's own, frozen
     else:
-        reference = build_reference(model, spec.reference, setup.ds_config, setup.vocab_size, attn, mpu)
+        reference = build_reference(model, spec.reference.offload, spec.reference.whole, setup.ds_config,
+                                    setup.vocab_size, attn, mpu)
     run = Run(setup, policy, reference, sequence_parallel)
     if spec.row_layout.packed and spec.attention.packing_check:
         run.check_packing()

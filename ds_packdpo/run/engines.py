@@ -14,7 +14,6 @@ import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import deepspeed
 import torch
@@ -35,9 +34,6 @@ from .layout import ParallelLayout
 from .metrics import OutputSpec
 from .schedule import Schedule, start_schedule
 from .user_values import monitor_sections, optimizer_section
-
-if TYPE_CHECKING:  # run/reference.py imports this module (zero_stage): the annotation only
-    from .reference import ReferenceSpec
 
 
 @dataclass(frozen=True)
@@ -326,11 +322,11 @@ def build_policy(model: ModelSpec, weight_decay: float, ds_config: dict, vocab_s
     return policy
 
 
-def build_reference(model: ModelSpec, placement: ReferenceSpec, ds_config: dict, vocab_size: int, attn: str,
+def build_reference(model: ModelSpec, offload: bool, whole: bool, ds_config: dict, vocab_size: int, attn: str,
                     mpu=None):
     """The frozen reference (``--ref-model`` or the policy's own weights): a ZeRO-3 engine, or a plain module;
-    offloaded or kept whole as ``placement`` says."""
-    ref_ds = reference_ds_config(ds_config, placement.offload, whole=placement.whole)
+    its parameters offloaded (--ref-offload) or kept whole (--ref-whole)."""
+    ref_ds = reference_ds_config(ds_config, offload, whole=whole)
     return _frozen(model, model.reference or model.path, ref_ds, vocab_size, attn, mpu)
 
 
