@@ -28,7 +28,8 @@ from pathlib import Path
 from .data.heldout import EvalSpec
 from .data.plan import PlanConfig, RowLayout
 from .data.multi_response import PAIRS_FROM
-from .data.prepare import FORMATS, DataConfig
+from .data.formats import FORMATS
+from .data.prepare import DataConfig
 from .data.run_plan import PlanSpec
 from .console import say_warning
 from .errors import InputError

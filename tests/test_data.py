@@ -210,7 +210,7 @@ def test_validation_streams_a_json_lines_file(tmp_path):
         write_synthetic_pairs(path, count)
         out = NormalizedPairs(tmp_path / f"normalized-{count}.arrow", max_pairs=None)
         tracemalloc.start()
-        fmt, rows, bad, groups = data._validate(open_rows(str(path), "train"), DataConfig(str(path)), out)
+        fmt, rows, bad, groups = data.validate_rows(open_rows(str(path), "train"), DataConfig(str(path)), out)
         peaks[count] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         written = out.close()
@@ -283,7 +283,7 @@ def test_a_cache_hit_reads_no_rows(tmp_path, dpo_demo_rows, demo_tokenizer, cach
 
     with monkeypatch.context() as patched:
         patched.setattr(data, "open_rows", no_rows)
-        patched.setattr(data, "_validate", no_rows)
+        patched.setattr(data, "validate_rows", no_rows)
         patched.setattr(pair_keys, "content_keys", no_rows)  # the prompt groups: memory-mapped from beside the cache
         again = prepare_pairs(cfg, demo_tokenizer)
     assert again.summary == first.summary and again.summary["dropped"] == {"null_field": 1}

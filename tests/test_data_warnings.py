@@ -12,7 +12,8 @@ from launching import run
 from test_data import standard_rows
 
 from ds_packdpo.console import SAID_ENV
-from ds_packdpo.data.prepare import BAD_ROWS_NAMED, DataConfig, prepare_pairs
+from ds_packdpo.data.formats import BAD_ROWS_NAMED
+from ds_packdpo.data.prepare import DataConfig, prepare_pairs
 from ds_packdpo.errors import InputError
 
 
