@@ -20,7 +20,7 @@
 #   tune     the train stage once per variant of TUNE_VARIANTS (names of scripts/gpu_tune.py's VARIANTS: compile,
 #            liger, logps=fused|lean, row-budget=16k|32k|64k, zero3-*, no-overlap-comm, ref-whole, activation-checkpointing;
 #            A+B for both), each in its own process, TUNE_STEPS steps, TUNE_LIMIT s each: one MFU / tokens/s /
-#            peak-memory table
+#            peak-memory table, with each variant's step 1 (same weights, same pairs) against the first variant's
 #   train    1-GPU ZeRO-3 bf16 DPO of a random Llama-3.2-1B-shaped model on dpo_en_demo.json, max length 4096,
 #            16k-token rows, --attn auto (torch_varlen without flash-attn): tokens/s, pairs/s, MFU, peak memory
 #   bench    the same model: packed (prefix-shared) vs packed-no-prefix-sharing vs padded vs packed-sdpa-varlen, in
@@ -47,7 +47,7 @@ REPORT=$(cd "$REPORT" && pwd)
 OUT=${GPU_ACCEPTANCE_WORK:-/tmp/ds_packdpo_acceptance}
 rm -rf "$OUT" && mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-SITE=$PWD/.gpu_site
+SITE=${GPU_SITE:-$PWD/.gpu_site}  # scripts/gpu_image_smoke.sh installs into its own
 WORK=$OUT/work
 DATA=../shared/data/dpo_en_demo.json
 [[ -f $DATA ]] || DATA=.gpu_data/dpo_en_demo.json  # the device machine gets no ../shared: fetch_gpu_wheels.sh copies it
@@ -95,7 +95,7 @@ stage() {  # stage NAME SECONDS COMMAND...: output to OUT/NAME.log, exit code an
 
 install_packages() {  # run by stage through bash -c (timeout runs commands, not functions)
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null
-    if [[ -z $SMOKE ]]; then
+    if [[ -z $SMOKE || -n ${INSTALL_IN_SMOKE:-} ]]; then  # INSTALL_IN_SMOKE: scripts/gpu_image_smoke.sh's run
         mkdir -p "$SITE"
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
             .whl/*.whl || return 1
@@ -113,7 +113,7 @@ EOF
 }
 
 export -f install_packages
-export PY SMOKE SITE
+export PY SMOKE SITE INSTALL_IN_SMOKE
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
 export PATH=$SITE/bin:$PATH
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -150,7 +150,9 @@ stage setup 45 "$PY" scripts/gpu_acceptance.py setup "$WORK" ${SMOKE:+--smoke}
 stage profile 100 deepspeed --num_gpus 1 --master_port 29610 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}" \
     --max-steps 3 --profile-steps 2 --skip-packing-check --output-dir "$OUT/profile" --overwrite
 # then the levers: the train stage once per variant, each in its own process (scripts/gpu_tune.py's VARIANTS)
-stage tune $(( TUNE_LIMIT * $(tr -cd , <<< "$TUNE_VARIANTS" | wc -c) + TUNE_LIMIT + 10 )) "$PY" scripts/gpu_tune.py \
+# each variant TUNE_LIMIT s, a compiling one twice that (scripts/gpu_tune.py's TIMEOUT_FACTOR)
+TUNE_SLOTS=$(( $(tr , '\n' <<< "$TUNE_VARIANTS" | grep -c .) + $(tr , '\n' <<< "$TUNE_VARIANTS" | grep -c compile) ))
+stage tune $(( TUNE_LIMIT * TUNE_SLOTS + 10 )) "$PY" scripts/gpu_tune.py \
     "$OUT/tune" --variants "$TUNE_VARIANTS" --steps "$TUNE_STEPS" --timeout-s $(( TUNE_LIMIT * ${LIMIT_SCALE:-1} )) \
     -- deepspeed --num_gpus 1 --master_port 29614 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}"
 stage train 130 deepspeed --num_gpus 1 --master_port 29611 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}" \

@@ -40,7 +40,11 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "no-overlap-comm": ("--no-zero-overlap-comm",),
     "activation-checkpointing": ("--gradient-checkpointing",),
 }
+# a variant with one of these parts gets its limit times the factor: compiling the layers falls in its first step
+TIMEOUT_FACTOR = {"compile": 2.0}
 FIGURES = ("tokens_per_s", "pairs_per_s", "mfu", "model_tflops_per_s")
+FIRST_STEP = ("logps/chosen", "logps/rejected", "grad_norm")  # step 1's figures: same weights and pairs in every variant
+FLAG_REL_DIFF = 1e-2  # a step-1 difference from the first row above this is drawn in bold: look before trusting its speed
 
 
 def variant_flags(names: list[str]) -> list[tuple[str, tuple[str, ...]]]:
@@ -52,6 +56,11 @@ def variant_flags(names: list[str]) -> list[tuple[str, tuple[str, ...]]]:
     return [(name, tuple(flag for part in name.split("+") for flag in VARIANTS[part])) for name in names]
 
 
+def variant_timeout(name: str, timeout_s: float) -> float:
+    """The variant's own limit: ``timeout_s`` times the largest :data:`TIMEOUT_FACTOR` of its parts."""
+    return timeout_s * max((TIMEOUT_FACTOR.get(part, 1.0) for part in name.split("+")))
+
+
 def measure(metrics: list[dict]) -> dict:
     """The means over the steps after the first, the peak memory over all."""
     steps = [m for m in metrics if "step" in m and "loss" in m]
@@ -60,7 +69,23 @@ def measure(metrics: list[dict]) -> dict:
                  if measured and any(m.get(key) is not None for m in measured) else None) for key in FIGURES}
     return {**row, "steps": len(steps), "measured_steps": len(measured),
             "peak_mem_mb": max((m.get("peak_mem_mb") or 0 for m in steps), default=None),
-            "losses": [m["loss"] for m in steps]}
+            "losses": [m["loss"] for m in steps], "first_step": {key: steps[0].get(key) for key in FIRST_STEP}
+            if steps else None}
+
+
+def first_step_differences(rows: list[dict]) -> None:
+    """Adds to each row its step 1's largest relative log-prob difference (chosen or rejected) and gradient-norm
+    difference from the first row's (None where either run has no step 1)."""
+    base = rows[0].get("first_step") if rows else None
+
+    def rel(key: str, row: dict) -> float | None:
+        got, want = (row.get("first_step") or {}).get(key), (base or {}).get(key)
+        return None if got is None or want is None else abs(got - want) / max(abs(want), 1e-30)
+
+    for row in rows:
+        logps = [rel(key, row) for key in FIRST_STEP[:2]]
+        row["first_step_logps_rel_diff"] = None if None in logps else max(logps)
+        row["first_step_grad_norm_rel_diff"] = rel("grad_norm", row)
 
 
 def run_variant(name: str, flags: tuple[str, ...], command: list[str], out: Path, steps: int, timeout_s: float) -> dict:
@@ -100,15 +125,24 @@ def describe(rows: list[dict]) -> list[str]:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
+    def diff(value):
+        return "-" if value is None else f"**{value:.1e}**" if value > FLAG_REL_DIFF else f"{value:.1e}"
+
     base = rows[0].get("tokens_per_s") if rows else None
-    lines = ["| variant | flags | tokens/s | vs first | MFU | TFLOP/s | peak MB | steps | s | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    lines = ["| variant | flags | tokens/s | vs first | MFU | TFLOP/s | peak MB | step-1 logps vs first | "
+             "step-1 grad norm vs first | steps | s | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows):
         ratio = r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None
+        logps, grad = (None, None) if i == 0 else (r.get("first_step_logps_rel_diff"),
+                                                   r.get("first_step_grad_norm_rel_diff"))
         lines.append(f"| {r['variant']} | {' '.join(r['flags']) or '-'} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
                      f"{fmt(ratio, '.3f')} | {fmt(r.get('mfu'), '.3f')} | {fmt(r.get('model_tflops_per_s'), '.1f')} | "
-                     f"{fmt(r.get('peak_mem_mb'), ',.0f')} | {r['measured_steps']} | {r['seconds']} | {r['rc']} |")
+                     f"{fmt(r.get('peak_mem_mb'), ',.0f')} | {diff(logps)} | {diff(grad)} | {r['measured_steps']} | "
+                     f"{r['seconds']} | {r['rc']} |")
     lines += [f"- {r['variant']}: {r['error']}" for r in rows if r.get("error")]
+    lines += [f"- step 1 runs the same weights on the same pairs in every variant: its log-probs and gradient norm "
+              f"relative to the first row's are the lever's numerics (bold: over {FLAG_REL_DIFF:g})"]
     return lines
 
 
@@ -121,14 +155,16 @@ def main(argv=None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--variants", default="default")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="each variant's limit")
+    parser.add_argument("--timeout-s", type=float, default=120.0,
+                        help="each variant's limit (a compiling variant's: twice it, TIMEOUT_FACTOR)")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1:]
     variants = variant_flags([name for name in args.variants.replace(" ", ",").split(",") if name])
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, flags in variants:
-        rows.append(run_variant(name, flags, command, args.out, args.steps, args.timeout_s))
+        rows.append(run_variant(name, flags, command, args.out, args.steps, variant_timeout(name, args.timeout_s)))
+        first_step_differences(rows)
         (args.out / "tune.json").write_text(json.dumps({"steps": args.steps, "command": command, "rows": rows},
                                                        indent=1))
         (args.out / "tune.md").write_text("\n".join(describe(rows)) + "\n")
