@@ -212,10 +212,12 @@ def summarize(out: Path) -> int:
                   f"{_fmt(guard_check['max_diff_per_token'])} per token of eager alone (tolerance "
                   f"{_fmt(guard_check['tolerance_per_token'])}, noise floor {_fmt(guard_check['noise_floor_per_token'])},"
                   f" longest sequence {guard_check['longest_sequence']})", ""]
-    if train:
-        lines += [f"Training (1 GPU, ZeRO-3, bf16, {train['measured_steps']} measured steps): "
+    if train:  # what ran, from the run's own plan (a smoke run is fp32 on a CPU rank)
+        ranks, attention = (train_plan or {}).get("layout", {}), (train_plan or {}).get("attention", {})
+        lines += [f"Training ({ranks.get('world_size', '?')} rank, ZeRO-3, {attention.get('dtype', '?')}, "
+                  f"{attention.get('backend', '?')}, {train['measured_steps']} measured steps): "
                   f"{_fmt(train['tokens_per_s'], ',.0f')} tokens/s, {_fmt(train['pairs_per_s'], '.3g')} pairs/s, "
-                  f"MFU {_fmt(train['mfu'], '.3f')}, peak memory {train['peak_memory']} MB", ""]
+                  f"MFU {_fmt(train['mfu'], '.3f')}, peak memory {_fmt(train['peak_memory'], ',.0f')} MB", ""]
     if summary["bench_unmeasured"]:
         lines += [f"**The bench ended early: not measured {', '.join(summary['bench_unmeasured'])}.**", ""]
     for name, failure in summary["bench_failed"].items():
