@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU image's software on this CPU machine: a virtual environment with the Python packages the device machine's
 # image holds (KINDS.md's pip list, 2026-11: torch 2.11.0+cu130, transformers 5.17.0, huggingface_hub 1.33.0, ...),
-# the wheels of scripts/fetch_gpu_wheels.sh installed into .gpu_site/ as scripts/gpu_acceptance.sh installs them there,
+# the wheels of scripts/fetch_gpu_wheels.sh installed (into the venv's gpu_site/) as gpu_acceptance.sh installs them there,
 # then that script's CPU smoke run in it.  An incompatibility with the image's versions (an API torch 2.11 lacks, a
 # carried wheel that does not import) then costs a few CPU minutes here instead of a try of a GPU session.
 #

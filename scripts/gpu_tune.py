@@ -4,10 +4,12 @@
         ds_packdpo.train FLAGS...
 
 Each variant is a row of :data:`VARIANTS`, or rows joined by '+': the flags it adds to the train command (a later flag
-wins over the same one earlier).  A variant runs ``--max-steps STEPS`` into ``OUT/VARIANT`` (no start-up guard: the matrix stage checks
-exactness); its figures are the means over its steps but the first (allocation, kernel selection, compilation).  A
-variant that fails or runs out of time is a row with its exit code and last line; the others still run.  OUT/tune.json
-holds every row, OUT/tune.md the table.
+wins over the same one earlier).  A variant runs ``--max-steps STEPS`` into ``OUT/VARIANT`` with no start-up guard;
+its figures are the means over its steps but the first (allocation, kernel selection, compilation).  Step 1 runs the
+same initial weights on the same pairs in every variant, so its log-probs and gradient norm differ between variants
+only by the lever's numerics: each row gives them relative to the first row's, the lever's exactness at the run's own
+size (the matrix stage checks the default's against eager per sequence).  A variant that fails or runs out of time is
+a row with its exit code and last line; the others still run.  OUT/tune.json holds every row, OUT/tune.md the table.
 """
 
 from __future__ import annotations
