@@ -150,9 +150,8 @@ stage setup 45 "$PY" scripts/gpu_acceptance.py setup "$WORK" ${SMOKE:+--smoke}
 stage profile 100 deepspeed --num_gpus 1 --master_port 29610 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}" \
     --max-steps 3 --profile-steps 2 --skip-packing-check --output-dir "$OUT/profile" --overwrite
 # then the levers: the train stage once per variant, each in its own process (scripts/gpu_tune.py's VARIANTS)
-# each variant TUNE_LIMIT s, a compiling one twice that (scripts/gpu_tune.py's TIMEOUT_FACTOR)
-TUNE_SLOTS=$(( $(tr , '\n' <<< "$TUNE_VARIANTS" | grep -c .) + $(tr , '\n' <<< "$TUNE_VARIANTS" | grep -c compile) ))
-stage tune $(( TUNE_LIMIT * TUNE_SLOTS + 10 )) "$PY" scripts/gpu_tune.py \
+# each variant TUNE_LIMIT s, a compiling one more (scripts/gpu_tune.py's TIMEOUT_FACTOR, summed there)
+stage tune $(( $("$PY" scripts/gpu_tune.py stage-limit "$TUNE_VARIANTS" "$TUNE_LIMIT") + 10 )) "$PY" scripts/gpu_tune.py \
     "$OUT/tune" --variants "$TUNE_VARIANTS" --steps "$TUNE_STEPS" --timeout-s $(( TUNE_LIMIT * ${LIMIT_SCALE:-1} )) \
     -- deepspeed --num_gpus 1 --master_port 29614 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}"
 stage train 130 deepspeed --num_gpus 1 --master_port 29611 --module ds_packdpo.train "${COMMON[@]}" "${RUN[@]}" \

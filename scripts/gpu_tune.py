@@ -2,6 +2,7 @@
 
     python scripts/gpu_tune.py OUT --variants default,compile --steps 4 --timeout-s 120 -- deepspeed ... --module \\
         ds_packdpo.train FLAGS...
+    python scripts/gpu_tune.py stage-limit default,compile 120     # the stage's seconds: 360
 
 Each variant is a row of :data:`VARIANTS`, or rows joined by '+': the flags it adds to the train command (a later flag
 wins over the same one earlier).  A variant runs ``--max-steps STEPS`` into ``OUT/VARIANT`` with no start-up guard;
@@ -58,9 +59,19 @@ def variant_flags(names: list[str]) -> list[tuple[str, tuple[str, ...]]]:
     return [(name, tuple(flag for part in name.split("+") for flag in VARIANTS[part])) for name in names]
 
 
+def variant_names(text: str) -> list[str]:
+    """TUNE_VARIANTS's names (separated by commas or spaces)."""
+    return [name for name in text.replace(" ", ",").split(",") if name]
+
+
 def variant_timeout(name: str, timeout_s: float) -> float:
     """The variant's own limit: ``timeout_s`` times the largest :data:`TIMEOUT_FACTOR` of its parts."""
     return timeout_s * max((TIMEOUT_FACTOR.get(part, 1.0) for part in name.split("+")))
+
+
+def stage_limit_s(text: str, timeout_s: float) -> int:
+    """The whole stage's seconds: every variant's own limit (gpu_acceptance.sh gives its tune stage this)."""
+    return int(sum(variant_timeout(name, timeout_s) for name in variant_names(text)))
 
 
 def measure(metrics: list[dict]) -> dict:
@@ -150,6 +161,9 @@ def describe(rows: list[dict]) -> list[str]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["stage-limit"]:  # gpu_tune.py stage-limit VARIANTS SECONDS: the stage's limit, printed
+        print(stage_limit_s(argv[1], float(argv[2])))
+        return 0
     if "--" not in argv:
         raise SystemExit("usage: gpu_tune.py OUT --variants A,B [--steps N] [--timeout-s S] -- TRAIN COMMAND...")
     split = argv.index("--")
@@ -161,7 +175,7 @@ def main(argv=None) -> int:
                         help="each variant's limit (a compiling variant's: twice it, TIMEOUT_FACTOR)")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1:]
-    variants = variant_flags([name for name in args.variants.replace(" ", ",").split(",") if name])
+    variants = variant_flags(variant_names(args.variants))
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, flags in variants:

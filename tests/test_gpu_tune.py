@@ -37,6 +37,8 @@ def test_figures_leave_the_first_step_out_and_unknown_variants_are_refused():
         gpu_tune.variant_flags(["default", "nope", "compile+nope"])
     assert [gpu_tune.variant_timeout(name, 75) for name in ("default", "compile+row-budget=32k", "liger")] == [
         75, 150, 75]
+    assert gpu_tune.stage_limit_s("default,compile+row-budget=32k liger", 75) == 300  # the tune stage's limit
+    assert gpu_tune.variant_names("default, compile ,liger") == ["default", "compile", "liger"]
     assert gpu_tune.variant_flags(["compile+row-budget=32k"]) == [
         ("compile+row-budget=32k", ("--compile-layers", "--max-tokens-per-row", "32768"))]
 
